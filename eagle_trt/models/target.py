@@ -1,0 +1,181 @@
+"""Llama-family target model written for export.
+
+Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer
+and only the new rows go out, the attention mask is a boolean [B, T, P + T] tensor that can
+carry a draft-tree mask, positions are an input, and the residual-stream states EAGLE-3
+needs come out concatenated as `captured` ([B, T, A * hidden]).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import CaptureLayers, TargetConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Reduce in fp32 like transformers does, then return to the activation dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    # llama3: long wavelengths divided by `factor`, short ones kept, smooth blend between.
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq          # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                           # [B, T, D]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """GQA attention from plain ops (MatMul / Softmax / mask), so every backend runs it."""
+
+    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, out_features: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys = torch.cat((past_k, k), dim=2)                              # [B, Hkv, P+T, D]
+        values = torch.cat((past_v, v), dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            S = keys.shape[2]
+            keys = keys[:, :, None].expand(B, self.num_kv_heads, groups, S, self.head_dim).reshape(B, -1, S, self.head_dim)
+            values = values[:, :, None].expand(B, self.num_kv_heads, groups, S, self.head_dim).reshape(B, -1, S, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, mask, past_k, past_v):
+        attn, k, v = self.self_attn(self.input_layernorm(h), cos, sin, mask, past_k, past_v)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor          # [B, T, V] (or [B, 1, V] with last_logits_only)
+    captured: Tensor        # [B, T, A * hidden], streams in the configured order
+    new_k: list[Tensor]     # per layer [B, Hkv, T, D]: only the rows of the T new tokens
+    new_v: list[Tensor]
+
+
+class LlamaTarget(nn.Module):
+    def __init__(self, cfg: TargetConfig, capture: CaptureLayers | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.set_capture(capture or CaptureLayers.eagle_default(cfg.num_hidden_layers))
+
+    def set_capture(self, capture: CaptureLayers) -> None:
+        capture.validate(self.cfg.num_hidden_layers, self.cfg.source)
+        self.capture = capture
+        self.capture_streams = capture.streams()
+
+    def empty_past(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> tuple[list[Tensor], list[Tensor]]:
+        dtype = dtype or self.embed_tokens.weight.dtype
+        shape = (batch, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+        make = lambda: [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # noqa: E731
+        return make(), make()
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
+                past_k: list[Tensor], past_v: list[Tensor], last_logits_only: bool = False) -> TargetOutput:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, h.dtype)
+        streams: dict[int, Tensor] = {}
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture_streams:
+                streams[i] = h
+            h, k, v = layer(h, cos, sin, attention_mask, past_k[i], past_v[i])
+            new_k.append(k)
+            new_v.append(v)
+        streams[len(self.layers)] = h
+        captured = torch.cat([streams[s] for s in self.capture_streams], dim=-1)
+        if last_logits_only:
+            h = h[:, -1:]
+        return TargetOutput(self.lm_head(self.norm(h)), captured, new_k, new_v)
+
+
+def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:
+    """Boolean [1, T, P + T]: every new token sees the whole past and the new tokens up to itself."""
+    full = torch.ones(new_tokens, past + new_tokens, dtype=torch.bool, device=device)
+    return torch.tril(full, diagonal=past)[None]

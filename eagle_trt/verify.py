@@ -1,0 +1,85 @@
+"""Tree verification: which draft nodes the target accepts, and the token it adds.
+
+Greedy: follow the child whose token equals the target's argmax at its parent.
+Sampling: at each node try the children in order; accept child x with probability p(x)
+under the target's processed distribution; on rejection set p(x) = 0 and renormalise before
+the next sibling; if all are rejected sample from what is left, and at a leaf sample the
+bonus from p. For a deterministic (top-k) draft this yields exactly the target's
+distribution: P(x) = p(x), and after a rejection the residual is p restricted and rescaled.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import SamplingConfig
+from .tree import DraftTree
+
+
+def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """Temperature, then top-k, then top-p (transformers' order); returns fp32 probabilities."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - sampling.top_p)
+        drop_sorted[..., -1] = False   # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
+    """logits [N + 1, V] of the target over root + draft nodes.
+    Returns the accepted node indices (root first) and the target's next token."""
+    best = logits.argmax(dim=-1).tolist()
+    tokens = [-1] + tree.tokens.tolist()
+    children = children_lists(tree.parents.tolist())
+    path, node = [0], 0
+    while True:
+        nxt = next((c for c in children[node] if tokens[c] == best[node]), None)
+        if nxt is None:
+            return path, best[node]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tree: DraftTree, logits: Tensor, sampling: SamplingConfig,
+                   generator: torch.Generator | None) -> tuple[list[int], int]:
+    tokens = [-1] + tree.tokens.tolist()
+    children = children_lists(tree.parents.tolist())
+    path, node = [0], 0
+    while True:
+        p = target_probs(logits[node], sampling)
+        accepted = None
+        for child in children[node]:
+            x = tokens[child]
+            if torch.rand((), generator=generator).item() < p[x].item():
+                accepted = child
+                break
+            p[x] = 0.0
+            total = p.sum()
+            if total <= 0:       # every token with mass was drafted and rejected: cannot happen
+                break            # for p(x) < 1, kept as a guard against rounding
+            p = p / total
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        path.append(accepted)
+        node = accepted
+
+
+def sample_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    if sampling.greedy:
+        return int(logits.argmax(-1).item())
+    return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator).item())
