@@ -9,7 +9,7 @@ from typing import TextIO
 
 import torch
 
-from .checkpoints import LoadedTarget, load_drafter, load_target, random_drafter, save_drafter
+from .checkpoints import LoadedTarget, cache_dir, load_drafter, load_target, random_drafter, save_drafter
 from .config import ConfigError, SamplingConfig, TreeShape
 from .models.drafter import EagleDrafter
 from .runtime.backend import TorchDrafter, TorchTarget
@@ -56,8 +56,24 @@ class Pipeline:
         return out
 
 
-def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str = "float32",
-                  log: TextIO | None = None) -> Pipeline:
+@dataclass
+class Models:
+    """A target with its tokenizer and a drafter that fits it, capture layers set from the drafter."""
+    target: LoadedTarget
+    drafter: EagleDrafter
+    drafter_source: str
+    tokenizer: object
+
+    @property
+    def eos_ids(self) -> set[int]:
+        eos = set(self.target.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
+
+def prepare_models(target_spec: str, drafter_path: str | None, dtype: str = "float32",
+                   log: TextIO | None = None) -> Models:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     t0 = time.perf_counter()
@@ -75,12 +91,40 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
     drafter = load_drafter(drafter_path, target, DTYPES[dtype])
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     tokenizer = target.tokenizer()
-    eos = set(target.config.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(tokenizer.eos_token_id)
-    decoder = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), eos,
-                                 vocab_size=target.config.vocab_size)
     if log is not None:
         print(f"loaded target {target.folder} and drafter {source} ({drafter.cfg.variant}) "
               f"in {time.perf_counter() - t0:.1f}s", file=log)
-    return Pipeline(target, drafter, source, tokenizer, decoder)
+    return Models(target, drafter, source, tokenizer)
+
+
+def real_prompt_ids(models: Models, count: int, chat: bool = True) -> list[list[int]]:
+    """The first `count` MT-bench questions, tokenized (with the chat template when there is one)."""
+    from .data import mtbench_prompts
+    use_chat = chat and bool(getattr(models.tokenizer, "chat_template", None))
+    return [encode_prompt(models.tokenizer, text, use_chat) for text in mtbench_prompts()[:count]]
+
+
+BACKENDS = ("torch", "onnxruntime")
+
+
+def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str = "float32",
+                  log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None) -> Pipeline:
+    """backend 'torch' runs the PyTorch models; 'onnxruntime' exports the target and the
+    drafter-tree graphs into onnx_dir (default: a cache folder) and runs those."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    models = prepare_models(target_spec, drafter_path, dtype, log)
+    if backend == "torch":
+        target_backend, drafter_backend = TorchTarget(models.target.model), TorchDrafter(models.drafter, shape)
+    else:
+        from .export import export_pipeline
+        from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+        if dtype not in ("float32", "float16"):
+            raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
+        folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
+        graphs = export_pipeline(models, shape, folder, dtype, log=log)
+        target_backend = OrtTarget(graphs["target"], models.target.config.max_position_embeddings)
+        drafter_backend = OrtDrafter(graphs["drafter_tree"], shape)
+    decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
+                                 vocab_size=models.target.config.vocab_size)
+    return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)

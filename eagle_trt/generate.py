@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch",
+                   help="torch: the PyTorch models; onnxruntime: the exported graphs (exported on first use)")
+    p.add_argument("--onnx-dir", default=None,
+                   help="where the onnxruntime backend finds or exports its graphs (default: a cache folder)")
     return p
 
 
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             args.depth, args.tree_top_k, 1).max_nodes))
         shape = TreeShape(args.depth, args.tree_top_k, total).validate()
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed).validate()
-        pipe = load_pipeline(args.target, args.drafter, shape, dtype=args.dtype, log=sys.stderr)
+        pipe = load_pipeline(args.target, args.drafter, shape, dtype=args.dtype, log=sys.stderr,
+                             backend=args.backend, onnx_dir=args.onnx_dir)
         result = pipe.generate(args.prompt, args.max_new_tokens, sampling, chat=args.chat)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

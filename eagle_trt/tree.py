@@ -33,10 +33,25 @@ class DraftTree:
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k along the last axis with ties to the lower index (ONNX TopK's rule), so that the
-    exported graph and this reference agree even on equal scores."""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    """Top-k along the last axis; exports as one ONNX TopK (TensorRT allows k <= 3840), which
+    a full sort over the draft vocabulary would not."""
+    return torch.topk(x, k, dim=-1, largest=True, sorted=True)
+
+
+def rank_desc(x: Tensor) -> Tensor:
+    """Rank of each element of a short 1-D vector in descending order, ties to the lower index
+    (a stable sort's order), computed from a comparison matrix so that every backend agrees
+    exactly; TopK's own tie order is not specified the same way everywhere."""
+    n = x.shape[0]
+    earlier = torch.ones(n, n, dtype=torch.bool).tril(-1)          # [i, j]: j < i
+    beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & earlier)
+    return beats.sum(1)
+
+
+def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k of a short 1-D vector with ties to the lower index."""
+    order = torch.topk(-rank_desc(x).float(), k).indices   # ranks are distinct: no ties left
+    return x[order], order
 
 
 def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
@@ -58,14 +73,14 @@ def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_
 
     captured: [1, T, A * Ht] target states of committed tokens t..t+T-1
     input_ids: [1, T] the tokens one position later (t+1..t+T); the last one is the root
-    past_k / past_v: [1, Hkv, P, D] drafter KV of earlier committed rows (position = row index)
+    past_k / past_v: [1, P, Hkv, D] drafter KV of earlier committed rows (position = row index)
     Returns the tree and the drafter KV rows of the T committed inputs (to append to the cache).
     """
     D, K, N = shape.depth, shape.top_k, shape.total_tokens
-    T, P = input_ids.shape[1], past_k.shape[2]
-    positions = torch.arange(P, P + T, dtype=torch.int64)[None]
+    T, P = input_ids.shape[1], past_k.shape[1]
+    positions = torch.arange(T, dtype=torch.int64)[None] + P
     step0 = drafter(drafter.project(captured), input_ids, positions, causal_mask(T, P), past_k, past_v)
-    ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 2), torch.cat((past_v, step0.new_v), 2)
+    ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 1), torch.cat((past_v, step0.new_v), 1)
 
     logp = torch.log_softmax(step0.logits[0, -1].float(), dim=-1)
     scores, draft_ids = _topk(logp, K)                                   # [K]
@@ -74,28 +89,34 @@ def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_
     all_parents = [torch.full((K,), -1, dtype=torch.int64)]
     frontier = torch.arange(K)                                           # candidate index of each frontier node
     state = step0.feedback[:, -1:].expand(1, K, step0.feedback.shape[-1])
-    ancestors = torch.zeros(K, 0, dtype=torch.bool)                      # frontier x tree-KV rows
-    tree_k = ctx_k[:, :, :0]
-    tree_v = ctx_v[:, :, :0]
+    # Tree KV rows and the frontier's visibility of them exist from step 2 on; keeping them
+    # None before that avoids empty tensors in the exported graph.
+    tree_k = tree_v = ancestors = None
     eye = torch.eye(K, dtype=torch.bool)
     seen = torch.ones(K, P + T, dtype=torch.bool)
     offset = K
     for step in range(1, D):
-        mask = torch.cat((seen, ancestors, eye), dim=1)[None]
-        pos = torch.full((1, K), P + T - 1 + step, dtype=torch.int64)
-        out = drafter(state, tokens[None], pos, mask, torch.cat((ctx_k, tree_k), 2), torch.cat((ctx_v, tree_v), 2))
-        tree_k, tree_v = torch.cat((tree_k, out.new_k), 2), torch.cat((tree_v, out.new_v), 2)
+        pos = (positions[:, -1:] + step).expand(1, K)
+        if ancestors is None:
+            mask, kv_k, kv_v = torch.cat((seen, eye), dim=1), ctx_k, ctx_v
+        else:
+            mask = torch.cat((seen, ancestors, eye), dim=1)
+            kv_k, kv_v = torch.cat((ctx_k, tree_k), 1), torch.cat((ctx_v, tree_v), 1)
+        out = drafter(state, tokens[None], pos, mask[None], kv_k, kv_v)
+        tree_k = out.new_k if tree_k is None else torch.cat((tree_k, out.new_k), 1)
+        tree_v = out.new_v if tree_v is None else torch.cat((tree_v, out.new_v), 1)
         child_logp, child_ids = _topk(torch.log_softmax(out.logits[0].float(), dim=-1), K)   # [K, K]
         cand_scores = (scores[:, None] + child_logp).reshape(-1)                             # [K*K]
         cand_tokens = drafter.to_target_ids(child_ids).reshape(-1)
         all_scores.append(cand_scores)
         all_tokens.append(cand_tokens)
         all_parents.append(frontier.repeat_interleave(K))
-        scores, best = _topk(cand_scores, K)
+        scores, best = stable_topk(cand_scores, K)
         parent_local = torch.div(best, K, rounding_mode="floor")
         tokens = cand_tokens[best]
         state = out.feedback[:, parent_local]
-        ancestors = torch.cat((ancestors[parent_local], eye[parent_local]), dim=1)
+        ancestors = eye[parent_local] if ancestors is None else \
+            torch.cat((ancestors[parent_local], eye[parent_local]), dim=1)
         frontier = offset + best
         offset += K * K
 
@@ -107,11 +128,13 @@ def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeSha
     """Keep the N best candidates by cumulative log-prob.
 
     A child's score never exceeds its parent's (log-probs are <= 0) and parents come earlier
-    in candidate order, so the stable sort ranks every parent ahead of its children: the
-    kept set is closed under ancestry. Sorting the kept indices puts parents first."""
-    N = shape.total_tokens
-    order = torch.sort(scores, descending=True, stable=True).indices[:N]
-    keep = torch.sort(order).values
+    in candidate order, so ranking with ties to the lower index puts every parent ahead of its
+    children: the kept set is closed under ancestry, even when a child's log-prob is exactly 0.
+    Keeping candidate order puts parents first."""
+    N, M = shape.total_tokens, scores.shape[0]
+    kept = rank_desc(scores) < N
+    # Kept candidate indices in increasing order: one TopK over (M - index) of the kept ones.
+    keep = M - torch.topk(torch.where(kept, M - torch.arange(M), 0), N).values
     slot = torch.zeros(scores.shape[0] + 1, dtype=torch.int64)
     slot = slot.scatter(0, keep, torch.arange(1, N + 1))                  # candidate -> node index
     node_parents = slot[torch.where(parents[keep] < 0, scores.shape[0], parents[keep])]   # root -> slot[M] = 0

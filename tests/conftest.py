@@ -103,3 +103,39 @@ def oracle_drafter(target: LoadedTarget, variant: str, noise: float = 0.02, seed
 def write_json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+class PlantedDrafter:
+    """Wraps a real drafter backend and overwrites the first root-to-leaf path of each tree
+    with a known continuation (up to a random depth), so trees are accepted several tokens
+    deep. The real EAGLE drafter still builds every tree (shape, siblings, masks, KV); only
+    the tokens on one path are replaced. Used to exercise acceptance and KV compaction in
+    losslessness tests, where the right answer comes from transformers, not from us."""
+
+    def __init__(self, inner, prompt_len: int, continuation: list[int], seed: int = 0):
+        import random
+        self.inner, self.shape = inner, inner.shape
+        self.prompt_len, self.continuation = prompt_len, continuation
+        self.rng = random.Random(seed)
+        self.rows = 0
+
+    def reset(self, capacity: int) -> None:
+        self.inner.reset(capacity)
+        self.rows = 0
+
+    def draft(self, captured, input_ids):
+        tree = self.inner.draft(captured, input_ids)
+        self.rows += int(input_ids.shape[0])
+        generated = self.rows - (self.prompt_len - 1)     # tokens committed after the prompt
+        parents = tree.parents.tolist()
+        tree.tokens = tree.tokens.clone()   # the drafter returns inference-mode tensors
+        plant_depth = self.rng.randint(0, self.shape.depth)
+        node, depth = 0, 0
+        while depth < plant_depth:
+            children = [i for i, p in enumerate(parents) if p == node]
+            if not children or generated + depth >= len(self.continuation):
+                break
+            node = self.rng.choice(children[:2])          # the best child, or its first sibling
+            tree.tokens[node - 1] = self.continuation[generated + depth]
+            depth += 1
+        return tree

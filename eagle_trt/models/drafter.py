@@ -36,7 +36,7 @@ class DrafterLayer(nn.Module):
 class DrafterOutput:
     logits: Tensor     # [B, T, draft_vocab]
     feedback: Tensor   # [B, T, H]: the state the next draft step takes in place of f
-    new_k: Tensor      # [B, Hkv, T, D]
+    new_k: Tensor      # [B, T, Hkv, D]
     new_v: Tensor
 
 
@@ -88,5 +88,5 @@ class EagleDrafter(nn.Module):
 
     def empty_past(self, batch: int = 1) -> tuple[Tensor, Tensor]:
         w = self.fc.weight
-        shape = (batch, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+        shape = (batch, 0, self.cfg.num_key_value_heads, self.cfg.head_dim)
         return torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device)

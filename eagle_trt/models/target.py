@@ -1,6 +1,7 @@
 """Llama-family target model written for export.
 
-Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer
+Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer in
+[B, S, Hkv, D] layout (a committed prefix of a preallocated cache is then a contiguous view)
 and only the new rows go out, the attention mask is a boolean [B, T, P + T] tensor that can
 carry a draft-tree mask, positions are an input, and the residual-stream states EAGLE-3
 needs come out concatenated as `captured` ([B, T, A * hidden]).
@@ -57,7 +58,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids.float()[..., None] * self.inv_freq          # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                           # [B, T, D]
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]  # [B, T, 1, D]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -80,12 +81,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys = torch.cat((past_k, k), dim=2)                              # [B, Hkv, P+T, D]
-        values = torch.cat((past_v, v), dim=2)
+        q = apply_rope(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        keys = torch.cat((past_k, k), dim=1).transpose(1, 2)              # [B, Hkv, P+T, D]
+        values = torch.cat((past_v, v), dim=1).transpose(1, 2)
+        q = q.transpose(1, 2)                                             # [B, H, T, D]
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             S = keys.shape[2]
@@ -126,9 +127,9 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TargetOutput:
-    logits: Tensor          # [B, T, V] (or [B, 1, V] with last_logits_only)
+    logits: Tensor          # [B, T, V], or [B, len(logits_index), V]
     captured: Tensor        # [B, T, A * hidden], streams in the configured order
-    new_k: list[Tensor]     # per layer [B, Hkv, T, D]: only the rows of the T new tokens
+    new_k: list[Tensor]     # per layer [B, T, Hkv, D]: only the rows of the T new tokens
     new_v: list[Tensor]
 
 
@@ -152,12 +153,13 @@ class LlamaTarget(nn.Module):
 
     def empty_past(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> tuple[list[Tensor], list[Tensor]]:
         dtype = dtype or self.embed_tokens.weight.dtype
-        shape = (batch, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
+        shape = (batch, 0, self.cfg.num_key_value_heads, self.cfg.head_dim)
         make = lambda: [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # noqa: E731
         return make(), make()
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                past_k: list[Tensor], past_v: list[Tensor], last_logits_only: bool = False) -> TargetOutput:
+                past_k: list[Tensor], past_v: list[Tensor], logits_index: Tensor | None = None) -> TargetOutput:
+        """logits_index [K] selects the positions that get logits (prefill needs only the last)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         streams: dict[int, Tensor] = {}
@@ -170,12 +172,14 @@ class LlamaTarget(nn.Module):
             new_v.append(v)
         streams[len(self.layers)] = h
         captured = torch.cat([streams[s] for s in self.capture_streams], dim=-1)
-        if last_logits_only:
-            h = h[:, -1:]
+        if logits_index is not None:
+            h = h.index_select(1, logits_index)
         return TargetOutput(self.lm_head(self.norm(h)), captured, new_k, new_v)
 
 
 def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:
-    """Boolean [1, T, P + T]: every new token sees the whole past and the new tokens up to itself."""
-    full = torch.ones(new_tokens, past + new_tokens, dtype=torch.bool, device=device)
-    return torch.tril(full, diagonal=past)[None]
+    """Boolean [1, T, P + T]: every new token sees the whole past and the new tokens up to itself.
+    Built from aranges so that traced sizes stay symbolic in an exported graph."""
+    cols = torch.arange(past + new_tokens, device=device)[None, :]
+    rows = torch.arange(new_tokens, device=device)[:, None] + past
+    return (cols <= rows)[None]

@@ -64,7 +64,8 @@ class TorchTarget:
     def forward(self, input_ids, positions, mask, last_only=False):
         T, P = input_ids.shape[0], self.cache.length
         full = torch.cat((torch.ones(T, P, dtype=torch.bool), mask), dim=1)[None]
-        out = self.model(input_ids[None], positions[None], full, *self.cache.past(), last_only)
+        index = torch.tensor([T - 1]) if last_only else None
+        out = self.model(input_ids[None], positions[None], full, *self.cache.past(), index)
         self.cache.write(out.new_k, out.new_v)
         return out.logits[0], out.captured[0]
 
@@ -88,5 +89,5 @@ class TorchDrafter:
         tree, new_k, new_v = draft_tree(self.model, captured[None].to(self.model.fc.weight.dtype), input_ids[None],
                                         past_k[0], past_v[0], self.shape)
         self.cache.write([new_k], [new_v])
-        self.cache.commit(list(range(new_k.shape[2])))
+        self.cache.commit(list(range(new_k.shape[1])))
         return tree

@@ -16,7 +16,7 @@ class ContextOverflow(RuntimeError):
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device=None, batch: int = 1):
-        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        shape = (num_layers, batch, capacity, kv_heads, head_dim)   # the graphs' [B, S, Hkv, D] per layer
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
@@ -25,17 +25,17 @@ class KVCache:
 
     def past(self) -> tuple[list[Tensor], list[Tensor]]:
         n = self.length
-        return [k[:, :, :n] for k in self.k], [v[:, :, :n] for v in self.v]
+        return [k[:, :n] for k in self.k], [v[:, :n] for v in self.v]
 
     def write(self, new_k: list[Tensor], new_v: list[Tensor]) -> None:
         """Stage the rows of a forward pass right after the committed length."""
-        T = new_k[0].shape[2]
+        T = new_k[0].shape[1]
         if self.length + T > self.capacity:
             raise ContextOverflow(f"KV cache holds {self.capacity} rows; {self.length} committed + {T} new do not fit")
         end = self.length + T
         for layer, (k, v) in enumerate(zip(new_k, new_v)):
-            self.k[layer, :, :, self.length:end] = k
-            self.v[layer, :, :, self.length:end] = v
+            self.k[layer, :, self.length:end] = k
+            self.v[layer, :, self.length:end] = v
         self.staged = T
 
     def commit(self, rows: list[int]) -> None:
@@ -45,7 +45,7 @@ class KVCache:
         if rows != list(range(len(rows))):   # accepted tree nodes: compact them into place
             src = torch.tensor(rows, dtype=torch.int64, device=self.k.device) + self.length
             dst = slice(self.length, self.length + len(rows))
-            self.k[:, :, :, dst] = self.k.index_select(3, src)
-            self.v[:, :, :, dst] = self.v.index_select(3, src)
+            self.k[:, :, dst] = self.k.index_select(2, src)
+            self.v[:, :, dst] = self.v.index_select(2, src)
         self.length += len(rows)
         self.staged = 0

@@ -1,0 +1,79 @@
+"""The exported graphs as nn.Modules with flat tensor signatures.
+
+Names are the graphs' contract with every runtime (ONNX Runtime, TensorRT, Triton):
+
+target:        input_ids [1,T] i64, position_ids [1,T] i64, attention_mask [1,T,P+T] bool,
+               logits_index [K] i64 (positions that get logits), past_key_{i}, past_value_{i} [1,P,Hkv,D]
+           ->  logits [1,K,V], captured [1,T,A*H], new_key_{i}, new_value_{i} [1,T,Hkv,D]
+drafter tree:  captured [1,T,A*Ht], input_ids [1,T] i64, past_key, past_value [1,P,Hkv,D]
+           ->  tree_tokens [N] i64, tree_parents [N+1] i64, tree_mask [N+1,N+1] bool,
+               tree_depths [N+1] i64, tree_scores [N] f32, new_key, new_value [1,T,Hkv,D]
+drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,T,P+T], past_key,
+               past_value -> logits [1,T,Vd], feedback [1,T,H], new_key, new_value
+               (W = A*Ht for the first step, which applies fc; W = H for later steps)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..config import TreeShape
+from ..models.drafter import EagleDrafter
+from ..models.target import LlamaTarget
+from ..tree import draft_tree
+
+
+def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "position_ids", "attention_mask", "logits_index"]
+    outputs = ["logits", "captured"]
+    for i in range(num_layers):
+        inputs += [f"past_key_{i}", f"past_value_{i}"]
+        outputs += [f"new_key_{i}", f"new_value_{i}"]
+    return inputs, outputs
+
+
+class TargetGraph(nn.Module):
+    def __init__(self, model: LlamaTarget):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, logits_index: Tensor,
+                *past: Tensor):
+        out = self.model(input_ids, position_ids, attention_mask, list(past[0::2]), list(past[1::2]), logits_index)
+        kv = [t for pair in zip(out.new_k, out.new_v) for t in pair]
+        return (out.logits, out.captured, *kv)
+
+
+DRAFT_TREE_INPUTS = ["captured", "input_ids", "past_key", "past_value"]
+DRAFT_TREE_OUTPUTS = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores",
+                      "new_key", "new_value"]
+
+
+class DraftTreeGraph(nn.Module):
+    """Step 0 over the committed rows plus the unrolled tree expansion, in one graph."""
+
+    def __init__(self, drafter: EagleDrafter, shape: TreeShape):
+        super().__init__()
+        self.drafter, self.shape = drafter, shape
+
+    def forward(self, captured: Tensor, input_ids: Tensor, past_key: Tensor, past_value: Tensor):
+        tree, new_k, new_v = draft_tree(self.drafter, captured, input_ids, past_key, past_value, self.shape)
+        return tree.tokens, tree.parents, tree.mask, tree.depths, tree.scores, new_k, new_v
+
+
+DRAFT_STEP_INPUTS = ["hidden", "input_ids", "position_ids", "attention_mask", "past_key", "past_value"]
+DRAFT_STEP_OUTPUTS = ["logits", "feedback", "new_key", "new_value"]
+
+
+class DrafterStepGraph(nn.Module):
+    """One drafter step; `first=True` takes captured target states through fc (step 0)."""
+
+    def __init__(self, drafter: EagleDrafter, first: bool):
+        super().__init__()
+        self.drafter, self.first = drafter, first
+
+    def forward(self, hidden, input_ids, position_ids, attention_mask, past_key, past_value):
+        if self.first:
+            hidden = self.drafter.project(hidden)
+        out = self.drafter(hidden, input_ids, position_ids, attention_mask, past_key, past_value)
+        return out.logits, out.feedback, out.new_k, out.new_v

@@ -1,0 +1,115 @@
+"""Trace the graphs in graphs.py to ONNX files, atomically, and check them."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from ..config import TreeShape
+from ..models.drafter import EagleDrafter
+from ..models.target import LlamaTarget, causal_mask
+from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS,
+                     DrafterStepGraph, DraftTreeGraph, TargetGraph, target_io_names)
+from .opcheck import check_graph
+
+DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Example sizes for tracing: distinct and non-zero, so a size that got baked in as a
+# constant shows up as a wrong shape when the parity tests run other sizes.
+TRACE_NEW, TRACE_PAST = 3, 5
+
+
+@dataclass
+class ExportedGraph:
+    path: Path
+    seconds: float
+    ops: list[str]
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
+            dynamic_axes: dict, opset: int) -> ExportedGraph:
+    """Export into a temporary folder, check, then move into place (with external data if any)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
+    try:
+        tmp_file = tmp / path.name
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")   # tracer warnings about python ints are expected and checked by tests
+            torch.onnx.export(module, args, str(tmp_file), input_names=inputs, output_names=outputs,
+                              dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
+                              do_constant_folding=True)
+        onnx.checker.check_model(str(tmp_file))
+        ops = sorted({n.op_type for n in onnx.load(str(tmp_file), load_external_data=False).graph.node})
+        check_graph(str(tmp_file))
+        for f in tmp.iterdir():   # the graph file last, so a present .onnx means complete data
+            if f.name != path.name:
+                os.replace(f, path.parent / f.name)
+        os.replace(tmp_file, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportedGraph(path, time.perf_counter() - start, ops)
+
+
+def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype) -> torch.Tensor:
+    return torch.randn(1, length, num_kv_heads, head_dim).to(dtype)
+
+
+def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
+    cfg = model.cfg
+    model = model.to(DTYPES[dtype]).eval()
+    inputs, outputs = target_io_names(cfg.num_hidden_layers)
+    T, P = TRACE_NEW, TRACE_PAST
+    past = [_kv_like(cfg.num_key_value_heads, cfg.head_dim, P, DTYPES[dtype]) for _ in range(2 * cfg.num_hidden_layers)]
+    args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(P, P + T)[None], causal_mask(T, P),
+            torch.arange(T - 1), *past)
+    axes = {"input_ids": {1: "new_tokens"}, "position_ids": {1: "new_tokens"},
+            "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "logits_index": {0: "logit_tokens"},
+            "logits": {1: "logit_tokens"}, "captured": {1: "new_tokens"}}
+    for name in inputs[4:]:
+        axes[name] = {1: "past_tokens"}
+    for name in outputs[2:]:
+        axes[name] = {1: "new_tokens"}
+    return _export(TargetGraph(model), args, path, inputs, outputs, axes, opset)
+
+
+def _drafter_example(drafter: EagleDrafter, dtype) -> tuple:
+    c = drafter.cfg
+    T, P = TRACE_NEW, TRACE_PAST
+    captured = torch.randn(1, T, c.num_aux_hidden_states * c.target_hidden_size).to(dtype)
+    ids = torch.randint(0, c.vocab_size, (1, T))
+    return captured, ids, _kv_like(c.num_key_value_heads, c.head_dim, P, dtype), \
+        _kv_like(c.num_key_value_heads, c.head_dim, P, dtype)
+
+
+def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dtype: str = "float32",
+                        opset: int = DEFAULT_OPSET) -> ExportedGraph:
+    drafter = drafter.to(DTYPES[dtype]).eval()
+    shape.validate(drafter.cfg.draft_vocab_size)
+    axes = {"captured": {1: "new_tokens"}, "input_ids": {1: "new_tokens"}, "past_key": {1: "past_tokens"},
+            "past_value": {1: "past_tokens"}, "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
+    return _export(DraftTreeGraph(drafter, shape), _drafter_example(drafter, DTYPES[dtype]), path,
+                   DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset)
+
+
+def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: str = "float32",
+                        opset: int = DEFAULT_OPSET) -> ExportedGraph:
+    drafter = drafter.to(DTYPES[dtype]).eval()
+    c = drafter.cfg
+    captured, ids, pk, pv = _drafter_example(drafter, DTYPES[dtype])
+    hidden = captured if first else torch.randn(1, TRACE_NEW, c.hidden_size).to(DTYPES[dtype])
+    args = (hidden, ids, torch.arange(TRACE_PAST, TRACE_PAST + TRACE_NEW)[None], causal_mask(TRACE_NEW, TRACE_PAST),
+            pk, pv)
+    axes = {"hidden": {1: "new_tokens"}, "input_ids": {1: "new_tokens"}, "position_ids": {1: "new_tokens"},
+            "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "past_key": {1: "past_tokens"},
+            "past_value": {1: "past_tokens"}, "logits": {1: "new_tokens"}, "feedback": {1: "new_tokens"},
+            "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
+    return _export(DrafterStepGraph(drafter, first), args, path, DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, axes, opset)

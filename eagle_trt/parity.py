@@ -1,0 +1,317 @@
+"""Parity of exported graphs against the PyTorch models, through Polygraphy.
+
+For each graph: feeds (fresh random and real), the PyTorch reference outputs, ONNX Runtime
+outputs from Polygraphy's OnnxrtRunner, and Polygraphy's comparator with a tolerance stated per
+output and dtype; integer / boolean outputs (the draft tree) must be identical. Each graph's
+feeds and reference outputs are also written as a parity bundle in Polygraphy's JSON format, so
+a machine with TensorRT can check an engine against the PyTorch reference:
+
+    polygraphy run target.onnx --trt --load-inputs target.inputs.json \\
+        --load-outputs target.reference.json --atol ... --rtol ...
+
+`python -m eagle_trt.parity` prints the report and writes it as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import TreeShape
+from .export.graphs import DraftTreeGraph, DrafterStepGraph, TargetGraph, target_io_names
+from .models.drafter import EagleDrafter
+from .models.target import LlamaTarget, causal_mask
+
+# Max abs / rel error allowed per output, by dtype. fp32 graphs are the same arithmetic in
+# another order; fp16 graphs round every activation.
+TOLERANCES = {
+    "float32": {"logits": (1e-4, 1e-4), "captured": (1e-4, 1e-4), "kv": (1e-4, 1e-4), "scores": (1e-4, 1e-4),
+                "feedback": (1e-4, 1e-4)},
+    "float16": {"logits": (5e-2, 5e-2), "captured": (5e-2, 5e-2), "kv": (2e-2, 2e-2), "scores": (2e-2, 2e-2),
+                "feedback": (2e-2, 2e-2)},
+}
+EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths"}
+
+
+def tolerance_for(output: str, dtype: str) -> tuple[float, float]:
+    table = TOLERANCES[dtype]
+    if "key" in output or "value" in output:
+        return table["kv"]
+    for key in ("logits", "captured", "scores", "feedback"):
+        if key in output:
+            return table[key]
+    raise KeyError(output)
+
+
+@dataclass
+class GraphCase:
+    name: str                  # also the bundle's file stem
+    graph: Path
+    dtype: str
+    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)          # "random" / "real: ..."
+    reference: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass
+class OutputReport:
+    output: str
+    max_abs: float
+    max_rel: float
+    atol: float
+    rtol: float
+    exact: bool
+    passed: bool
+
+
+@dataclass
+class GraphReport:
+    name: str
+    graph: str
+    dtype: str
+    inputs: list[str]
+    outputs: list[OutputReport]
+    polygraphy_passed: bool
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.polygraphy_passed and all(o.passed for o in self.outputs)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().copy()
+
+
+def _run(module: torch.nn.Module, feed: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        outs = module(*(torch.from_numpy(v) for v in feed.values()))
+    return {n: _np(o) for n, o in zip(names, outs)}
+
+
+# ----------------------------------------------------------------------------- cases
+
+def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[list[int]],
+                tree_shape: TreeShape | None = None, drafter: EagleDrafter | None = None, seed: int = 0) -> GraphCase:
+    """Random feeds (random ids, random past) and real ones: a prompt's prefill and the tree
+    verification step that follows it (past = the prefill's KV, mask = a real draft tree)."""
+    cfg = model.cfg
+    in_names, out_names = target_io_names(cfg.num_hidden_layers)
+    out_names = ["logits", "captured"] + out_names[2:]
+    module = TargetGraph(model).eval()
+    case = GraphCase("target", graph, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    wdt = model.embed_tokens.weight.dtype
+
+    def add(label, ids, positions, mask, past):
+        feed = {"input_ids": _np(ids), "position_ids": _np(positions), "attention_mask": _np(mask),
+                "logits_index": np.arange(ids.shape[1], dtype=np.int64)}
+        for i, (k, v) in enumerate(past):
+            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
+        case.feeds.append(feed)
+        case.labels.append(label)
+        case.reference.append(_run(module, feed, out_names))
+
+    T, P = 7, 13
+    past = [(torch.randn(1, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).to(wdt),
+             torch.randn(1, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).to(wdt))
+            for _ in range(cfg.num_hidden_layers)]
+    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None],
+        causal_mask(T, P), past)
+    for prompt in real_prompts:
+        n = len(prompt)
+        ids = torch.tensor([prompt])
+        empty = [(torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim, dtype=wdt),) * 2
+                 for _ in range(cfg.num_hidden_layers)]
+        add(f"real prefill ({n} tokens)", ids, torch.arange(n)[None], causal_mask(n, 0), empty)
+        if tree_shape is None or drafter is None:
+            continue
+        ref = case.reference[-1]
+        from .tree import draft_tree
+        k0, v0 = drafter.empty_past()
+        with torch.no_grad():
+            tree, _, _ = draft_tree(drafter, torch.from_numpy(ref["captured"]).to(drafter.fc.weight.dtype),
+                                    torch.tensor([prompt[1:] + [int(ref["logits"][0, -1].argmax())]]), k0, v0,
+                                    tree_shape)
+        root = int(ref["logits"][0, -1].argmax())
+        tids = torch.cat((torch.tensor([root]), tree.tokens))[None]
+        mask = torch.cat((torch.ones(tree.size + 1, n, dtype=torch.bool), tree.mask), 1)[None]
+        kv = [(torch.from_numpy(ref[f"new_key_{i}"]), torch.from_numpy(ref[f"new_value_{i}"]))
+              for i in range(cfg.num_hidden_layers)]
+        add(f"real tree verification ({tree.size + 1} nodes after {n} tokens)", tids, (n + tree.depths)[None], mask, kv)
+    return case
+
+
+def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str, Path], dtype: str,
+                  real_captured: list[tuple[np.ndarray, list[int]]], seed: int = 0) -> list[GraphCase]:
+    """Tree graph: real target states of a prompt (empty past) and random states with a random past.
+    Step graphs: the first step (fc) and a later step (fed-back state), random and real."""
+    c = drafter.cfg
+    gen = torch.Generator().manual_seed(seed)
+    wdt = drafter.fc.weight.dtype
+    kv = lambda n: torch.randn(1, n, c.num_key_value_heads, c.head_dim, generator=gen).to(wdt)  # noqa: E731
+    width = c.num_aux_hidden_states * c.target_hidden_size
+    cases = []
+    if "drafter_tree" in graphs:
+        case = GraphCase("drafter_tree", graphs["drafter_tree"], dtype)
+        module = DraftTreeGraph(drafter, tree_shape).eval()
+        names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores", "new_key", "new_value"]
+        feeds = [("random", torch.randn(1, 5, width, generator=gen).to(wdt) * 3,
+                  torch.randint(0, c.vocab_size, (1, 5), generator=gen), kv(11), kv(11))]
+        for captured, ids in real_captured:
+            feeds.append((f"real ({len(ids)} committed tokens)", torch.from_numpy(captured).to(wdt),
+                          torch.tensor([ids]), kv(0), kv(0)))
+        for label, cap, ids, pk, pv in feeds:
+            feed = {"captured": _np(cap), "input_ids": _np(ids), "past_key": _np(pk), "past_value": _np(pv)}
+            case.feeds.append(feed)
+            case.labels.append(label)
+            case.reference.append(_run(module, feed, names))
+        cases.append(case)
+    for name, first in (("drafter_step_first", True), ("drafter_step", False)):
+        if name not in graphs:
+            continue
+        case = GraphCase(name, graphs[name], dtype)
+        module = DrafterStepGraph(drafter, first).eval()
+        T, P = 4, 9
+        hidden = torch.randn(1, T, width if first else c.hidden_size, generator=gen).to(wdt)
+        mask = causal_mask(T, P).clone()
+        mask[0, 1, P] = False   # a tree-like hole: row 1 does not see row 0
+        feed = {"hidden": _np(hidden), "input_ids": _np(torch.randint(0, c.vocab_size, (1, T), generator=gen)),
+                "position_ids": _np(torch.arange(P, P + T)[None]), "attention_mask": _np(mask),
+                "past_key": _np(kv(P)), "past_value": _np(kv(P))}
+        case.feeds.append(feed)
+        case.labels.append("random")
+        case.reference.append(_run(module, feed, ["logits", "feedback", "new_key", "new_value"]))
+        cases.append(case)
+    return cases
+
+
+# ----------------------------------------------------------------------------- checking
+
+def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import CompareFunc, Comparator, IterationResult, RunResults
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    start = time.perf_counter()
+    runner = OnnxrtRunner(SessionFromOnnx(str(case.graph), providers=["CPUExecutionProvider"]), name="onnxruntime")
+    ort_results = Comparator.run([runner], data_loader=case.feeds)
+    reference = RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch") for r in case.reference])])
+    results = RunResults(list(reference.items()) + list(ort_results.items()))
+    names = list(case.reference[0])
+    float_names = [n for n in names if n not in EXACT_OUTPUTS]
+    atol = {n: tolerance_for(n, case.dtype)[0] for n in float_names}
+    rtol = {n: tolerance_for(n, case.dtype)[1] for n in float_names}
+    atol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
+    rtol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
+    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+
+    outputs = []
+    ort_iters = list(ort_results.values())[0]
+    for name in names:
+        max_abs = max_rel = 0.0
+        for ref, got in zip(case.reference, ort_iters):
+            a, b = ref[name], np.asarray(got[name])
+            if a.shape != b.shape:
+                max_abs = max_rel = float("inf")
+                break
+            if a.size:
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                max_abs = max(max_abs, float(diff.max()))
+                max_rel = max(max_rel, float((diff / (np.abs(a.astype(np.float64)) + 1e-6)).max()))
+        exact = name in EXACT_OUTPUTS
+        tol = (0.0, 0.0) if exact else tolerance_for(name, case.dtype)
+        # Pass if within atol, or within rtol of the value (Polygraphy's rule: either bound).
+        passed = max_abs == 0.0 if exact else all(
+            np.all(np.abs(r[name].astype(np.float64) - np.asarray(g[name], np.float64))
+                   <= tol[0] + tol[1] * np.abs(r[name].astype(np.float64)))
+            for r, g in zip(case.reference, ort_iters))
+        outputs.append(OutputReport(name, max_abs, max_rel, tol[0], tol[1], exact, bool(passed)))
+    if bundle_dir is not None:
+        write_bundle(case, reference, bundle_dir)
+    return GraphReport(case.name, str(case.graph), case.dtype, case.labels, outputs, bool(accuracy),
+                       time.perf_counter() - start)
+
+
+def write_bundle(case: GraphCase, reference, bundle_dir: Path) -> None:
+    from polygraphy.json import save_json
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    save_json(case.feeds, str(bundle_dir / f"{case.name}.inputs.json"))
+    reference.save(str(bundle_dir / f"{case.name}.reference.json"))
+
+
+def format_report(reports: list[GraphReport]) -> str:
+    lines = [f"{'graph':<20}{'output':<16}{'max abs':>12}{'max rel':>12}{'atol':>10}  result"]
+    for rep in reports:
+        shown = [o for o in rep.outputs if "key_" not in o.output and "value_" not in o.output]
+        kv = [o for o in rep.outputs if o not in shown]
+        if kv:   # per-layer KV outputs collapse into one line
+            worst = max(kv, key=lambda o: o.max_abs)
+            shown.append(OutputReport(f"kv ({len(kv)})", worst.max_abs, max(o.max_rel for o in kv), worst.atol,
+                                      worst.rtol, False, all(o.passed for o in kv)))
+        for o in shown:
+            tol = "exact" if o.exact else f"{o.atol:.0e}"
+            lines.append(f"{rep.name:<20}{o.output:<16}{o.max_abs:>12.3e}{o.max_rel:>12.3e}{tol:>10}  "
+                         f"{'ok' if o.passed else 'FAIL'}")
+        lines.append(f"{rep.name:<20}{'(polygraphy)':<16}{'':>34}  {'ok' if rep.polygraphy_passed else 'FAIL'}"
+                     f"   inputs: {'; '.join(rep.inputs)}")
+    return "\n".join(lines)
+
+
+def report_json(reports: list[GraphReport]) -> dict:
+    return {"passed": all(r.passed for r in reports),
+            "graphs": [dict(asdict(r), passed=r.passed) for r in reports]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .api import prepare_models   # heavy imports after argument parsing
+    from .export import export_pipeline
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.parity", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: shipped or random EAGLE 3.1)")
+    p.add_argument("--out", default="artifacts/parity", help="folder for graphs, bundles and report.json")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--tree-top-k", type=int, default=8)
+    p.add_argument("--total-tokens", type=int, default=60)
+    p.add_argument("--prompts", type=int, default=2, help="real MT-bench prompts to use as inputs")
+    args = p.parse_args(argv)
+    try:
+        shape = TreeShape(args.depth, args.tree_top_k, args.total_tokens).validate()
+        models = prepare_models(args.target, args.drafter, log=sys.stderr)
+        out = Path(args.out)
+        graphs = export_pipeline(models, shape, out / "graphs", args.dtype, step_graphs=True, log=sys.stderr)
+        reports = run_parity(models, shape, graphs, args.dtype, args.prompts, out / "bundles")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(reports))
+    data = report_json(reports)
+    (out / "report.json").write_text(json.dumps(data, indent=2))
+    print(f"\nreport: {out / 'report.json'}; bundles: {out / 'bundles'}; "
+          f"{'ALL PASSED' if data['passed'] else 'FAILURES'}")
+    return 0 if data["passed"] else 1
+
+
+def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, num_prompts: int,
+               bundle_dir: Path | None) -> list[GraphReport]:
+    from .api import real_prompt_ids
+    prompts = real_prompt_ids(models, num_prompts)
+    target = models.target.model.to(torch.float32 if dtype == "float32" else torch.float16)
+    drafter = models.drafter.to(target.embed_tokens.weight.dtype)
+    cases = [target_case(target, graphs["target"], dtype, prompts, shape, drafter)]
+    real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())])
+            for c, p in zip(cases[0].reference[1::2], prompts)]
+    cases += drafter_cases(drafter, shape, graphs, dtype, real)
+    return [check_case(c, bundle_dir) for c in cases]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""ONNX Runtime backend: the exported target graph and the drafter graph with the tree baked
+in, two graph calls per iteration.
+
+Host work is kept small: the KV caches are preallocated numpy buffers in the graphs' own
+[1, S, Hkv, D] layout, so the committed prefix is bound as the `past` input without a copy
+and the graph writes its new KV rows straight into the cache (outputs bound to the buffer)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from ..config import TreeShape
+from ..tree import DraftTree
+
+NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class _Timed:
+    """Counts calls and seconds spent inside graph runs, for the host-overhead share."""
+    graph_seconds = 0.0
+    graph_calls = 0
+
+    def _run(self, io: ort.IOBinding) -> None:
+        start = time.perf_counter()
+        self.session.run_with_iobinding(io)
+        self.graph_seconds += time.perf_counter() - start
+        self.graph_calls += 1
+
+
+def make_session(path: str | Path, threads: int | None = None,
+                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> ort.InferenceSession:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: ONNX graph not found")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
+        raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
+
+
+class _Cache:
+    """Per-layer [1, capacity, Hkv, D] buffers with a committed length."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype):
+        self.k = np.zeros((layers, 1, capacity, kv_heads, head_dim), dtype)
+        self.v = np.zeros_like(self.k)
+        self.capacity, self.length = capacity, 0
+
+    def check_room(self, new: int) -> None:
+        if self.length + new > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} rows; {self.length} committed + {new} new do not fit")
+
+    def bind(self, io: ort.IOBinding, layer: int, past: tuple[str, str], new: tuple[str, str], T: int) -> None:
+        P = self.length
+        for buf, past_name, new_name in ((self.k[layer], past[0], new[0]), (self.v[layer], past[1], new[1])):
+            io.bind_cpu_input(past_name, buf[:, :P])
+            staged = buf[:, P:P + T]
+            io.bind_output(new_name, "cpu", 0, buf.dtype, list(staged.shape), staged.ctypes.data)
+
+    def commit(self, rows: list[int]) -> None:
+        if rows != list(range(len(rows))):
+            src = np.asarray(rows) + self.length
+            dst = slice(self.length, self.length + len(rows))
+            self.k[:, :, dst] = self.k[:, :, src]
+            self.v[:, :, dst] = self.v[:, :, src]
+        self.length += len(rows)
+
+
+class OrtTarget(_Timed):
+    def __init__(self, path: str | Path, max_context: int, threads: int | None = None, **session_kwargs):
+        self.session = make_session(path, threads, **session_kwargs)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
+        shape = inputs["past_key_0"].shape   # [1, past_tokens, Hkv, D]
+        self.kv_heads, self.head_dim = int(shape[2]), int(shape[3])
+        self.dtype = NP_DTYPES[inputs["past_key_0"].type]
+        self.max_context = max_context
+        self.cache: _Cache | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = _Cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def forward(self, input_ids, positions, mask, last_only=False):
+        T, P = int(input_ids.shape[0]), self.cache.length
+        self.cache.check_room(T)
+        full = np.ones((1, T, P + T), dtype=bool)
+        full[0, :, P:] = mask.numpy()
+        io = self.session.io_binding()
+        io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
+        io.bind_cpu_input("position_ids", positions.numpy()[None].astype(np.int64))
+        io.bind_cpu_input("attention_mask", full)
+        io.bind_cpu_input("logits_index", np.array([T - 1] if last_only else np.arange(T), dtype=np.int64))
+        # io.get_outputs() follows binding order: bind the two ORT-allocated outputs first.
+        io.bind_output("logits", "cpu")
+        io.bind_output("captured", "cpu")
+        for i in range(self.num_layers):
+            self.cache.bind(io, i, (f"past_key_{i}", f"past_value_{i}"), (f"new_key_{i}", f"new_value_{i}"), T)
+        self._run(io)
+        logits, captured = io.get_outputs()[:2]
+        return torch.from_numpy(logits.numpy()[0]), torch.from_numpy(captured.numpy()[0])
+
+    def commit(self, rows: list[int]) -> None:
+        self.cache.commit(rows)
+
+
+class OrtDrafter(_Timed):
+    def __init__(self, path: str | Path, shape: TreeShape, threads: int | None = None, **session_kwargs):
+        self.session = make_session(path, threads, **session_kwargs)
+        self.shape = shape
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        kv = inputs["past_key"].shape
+        self.kv_heads, self.head_dim = int(kv[2]), int(kv[3])
+        self.dtype = NP_DTYPES[inputs["past_key"].type]
+        nodes = self.session.get_outputs()[0].shape[0]
+        if isinstance(nodes, int) and nodes != shape.total_tokens:
+            raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
+                             f"not {shape.total_tokens}; re-export it for this tree shape")
+        self.cache: _Cache | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = _Cache(1, self.kv_heads, self.head_dim, capacity, self.dtype)
+
+    def draft(self, captured: torch.Tensor, input_ids: torch.Tensor) -> DraftTree:
+        T = int(input_ids.shape[0])
+        self.cache.check_room(T)
+        io = self.session.io_binding()
+        io.bind_cpu_input("captured", captured.numpy()[None].astype(self.dtype))
+        io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
+        names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores"]
+        for name in names:   # bound first: io.get_outputs() follows binding order
+            io.bind_output(name, "cpu")
+        self.cache.bind(io, 0, ("past_key", "past_value"), ("new_key", "new_value"), T)
+        self._run(io)
+        out = {name: torch.from_numpy(value.numpy()) for name, value in zip(names, io.get_outputs())}
+        self.cache.commit(list(range(T)))
+        return DraftTree(out["tree_tokens"], out["tree_parents"], out["tree_mask"], out["tree_depths"],
+                         out["tree_scores"])
