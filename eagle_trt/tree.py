@@ -33,9 +33,23 @@ class DraftTree:
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k along the last axis; exports as one ONNX TopK (TensorRT allows k <= 3840), which
-    a full sort over the draft vocabulary would not."""
-    return torch.topk(x, k, dim=-1, largest=True, sorted=True)
+    """Top-k along the last axis with ties to the lower index.
+
+    Traced for export it is one ONNX TopK, whose spec puts the lower index first on ties (and
+    which TensorRT runs for k <= 3840, unlike a full sort over the draft vocabulary). Eagerly,
+    torch.topk's tie order is unspecified, so the boundary value's candidates are re-ranked
+    stably; quantized drafters produce exact ties often enough for this to matter to parity."""
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return torch.topk(x, k, dim=-1, largest=True, sorted=True)
+    kth = torch.topk(x, k, dim=-1).values[..., -1:]
+    rows = x.reshape(-1, x.shape[-1])
+    picked = []
+    for row, bound in zip(rows, kth.reshape(-1)):
+        candidates = torch.nonzero(row >= bound).flatten()          # increasing index
+        order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
+        picked.append(candidates[order])
+    indices = torch.stack(picked).reshape(*x.shape[:-1], k)
+    return x.gather(-1, indices), indices
 
 
 def rank_desc(x: Tensor) -> Tensor:

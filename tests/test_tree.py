@@ -21,6 +21,16 @@ from eagle_trt.models.target import causal_mask
 from eagle_trt.tree import DraftTree, ancestor_mask, draft_tree, select_nodes
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Many tiny forwards: one intra-op thread avoids OpenMP barrier stalls, which dominate
+    when the two cores are shared with other processes."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 # ----------------------------------------------------------------------------- reference
 
 
@@ -246,21 +256,51 @@ def test_matches_reference_oracle_drafter(tiny_target, variant, shape):
     check_invariants(tree, shape)
 
 
-def test_matches_reference_with_exact_ties(tiny_target):
-    """A drafter whose every draft distribution is uniform: all siblings tie, and so do all
-    nodes of one depth. Ties go to the earlier candidate, so the tree is fully determined."""
+def _uniform_drafter(tiny_target):
     drafter = random_drafter(tiny_target, "eagle3", seed=1)
     with torch.no_grad():
-        drafter.lm_head.weight.zero_()
+        drafter.lm_head.weight.zero_()   # every draft distribution is exactly uniform
+    return drafter
+
+
+def test_tied_scores_structure_matches_reference(tiny_target):
+    """Uniform drafts: all siblings tie, and so do all candidates of one depth. Candidate
+    ranking breaks ties to the earlier candidate, so the tree's shape is fully determined
+    whatever order the vocabulary top-k returns tied tokens in."""
+    drafter = _uniform_drafter(tiny_target)
     shape = TreeShape(4, 3, 14)
     captured, ids, past_k, past_v = _inputs(drafter, tiny_target.config.vocab_size, P=3, T=2, seed=1)
-    tree = _compare(drafter, captured, ids, past_k, past_v, shape)
+    with torch.no_grad():
+        tree, _, _ = draft_tree(drafter, captured, ids, past_k, past_v, shape)
+    _, r_parents, r_mask, r_depths, r_scores, _, _ = reference_tree(drafter, captured, ids, past_k, past_v, shape)
     check_invariants(tree, shape)
-    # with uniform drafts the first-ranked frontier node is always expanded first: its
-    # children are tokens 0, 1, 2, and the kept set is the first 14 candidates
-    assert tree.tokens[:3].tolist() == [0, 1, 2]
-    assert tree.parents.tolist()[:4] == [-1, 0, 0, 0]
+    assert tree.parents.tolist() == r_parents
+    assert torch.equal(tree.mask, r_mask)
+    assert tree.depths.tolist() == r_depths
+    torch.testing.assert_close(tree.scores.double(), torch.tensor(r_scores, dtype=torch.float64), atol=2e-4, rtol=0)
+    # the first-ranked frontier node is expanded first, and the first 14 candidates are kept
+    assert tree.parents.tolist()[:5] == [-1, 0, 0, 0, 1]
     assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3]
+    # siblings are distinct tokens
+    parents = tree.parents.tolist()
+    for node in range(N := shape.total_tokens + 1):
+        sib = [int(tree.tokens[c - 1]) for c in range(1, N) if parents[c] == node]
+        assert len(sib) == len(set(sib))
+
+
+def test_vocab_topk_ties_go_to_lower_index(tiny_target):
+    """Tied draft logits: the PyTorch reference must pick the lower draft ids, as ONNX TopK
+    specifies ("the element with the lower index will appear first"), so that the exported
+    drafter graph and this reference build the same tree. Ties are common once the drafter's
+    logits are quantized (FP8 / NVFP4)."""
+    drafter = _uniform_drafter(tiny_target)
+    shape = TreeShape(4, 3, 14)
+    captured, ids, past_k, past_v = _inputs(drafter, tiny_target.config.vocab_size, P=3, T=2, seed=1)
+    with torch.no_grad():
+        tree, _, _ = draft_tree(drafter, captured, ids, past_k, past_v, shape)
+    r_tokens = reference_tree(drafter, captured, ids, past_k, past_v, shape)[0]
+    assert r_tokens[:3] == [0, 1, 2]
+    assert tree.tokens.tolist() == r_tokens
 
 
 # ----------------------------------------------------------------------------- invariants

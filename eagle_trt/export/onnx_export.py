@@ -1,6 +1,7 @@
 """Trace the graphs in graphs.py to ONNX files, atomically, and check them."""
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -59,13 +60,20 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
     return ExportedGraph(path, time.perf_counter() - start, ops)
 
 
+def _as_dtype(module, dtype: str):
+    """The module in `dtype`, copied when that differs: export must not change the caller's model."""
+    target = DTYPES[dtype]
+    current = next(module.parameters()).dtype
+    return (module if current == target else copy.deepcopy(module).to(target)).eval()
+
+
 def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype) -> torch.Tensor:
     return torch.randn(1, length, num_kv_heads, head_dim).to(dtype)
 
 
 def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
     cfg = model.cfg
-    model = model.to(DTYPES[dtype]).eval()
+    model = _as_dtype(model, dtype)
     inputs, outputs = target_io_names(cfg.num_hidden_layers)
     T, P = TRACE_NEW, TRACE_PAST
     past = [_kv_like(cfg.num_key_value_heads, cfg.head_dim, P, DTYPES[dtype]) for _ in range(2 * cfg.num_hidden_layers)]
@@ -92,7 +100,7 @@ def _drafter_example(drafter: EagleDrafter, dtype) -> tuple:
 
 def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dtype: str = "float32",
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
-    drafter = drafter.to(DTYPES[dtype]).eval()
+    drafter = _as_dtype(drafter, dtype)
     shape.validate(drafter.cfg.draft_vocab_size)
     axes = {"captured": {1: "new_tokens"}, "input_ids": {1: "new_tokens"}, "past_key": {1: "past_tokens"},
             "past_value": {1: "past_tokens"}, "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
@@ -102,7 +110,7 @@ def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dty
 
 def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: str = "float32",
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
-    drafter = drafter.to(DTYPES[dtype]).eval()
+    drafter = _as_dtype(drafter, dtype)
     c = drafter.cfg
     captured, ids, pk, pv = _drafter_example(drafter, DTYPES[dtype])
     hidden = captured if first else torch.randn(1, TRACE_NEW, c.hidden_size).to(DTYPES[dtype])

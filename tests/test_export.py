@@ -1,0 +1,158 @@
+"""ONNX exporters, the TensorRT op check, and the ONNX Runtime backend on tiny models.
+
+The graphs are traced at one size (3 new tokens after 5 past) and run here at other sizes, so a
+size that was baked in as a constant shows up as a failure."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from eagle_trt.checkpoints import random_drafter
+from eagle_trt.config import TreeShape
+from eagle_trt.export import UnsupportedGraph, check_graph, export_drafter_step, export_drafter_tree, export_target
+from eagle_trt.export.opcheck import find_problems
+from eagle_trt.parity import check_case, drafter_cases, target_case
+from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+
+from conftest import PlantedDrafter
+
+SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "eagle3.1"])
+def exported(request, tiny_target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"graphs_{request.param}")
+    drafter = random_drafter(tiny_target, request.param, seed=4, draft_vocab_size=48)
+    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+              "drafter_tree": export_drafter_tree(drafter, SHAPE, folder / "drafter_tree.onnx").path,
+              "drafter_step_first": export_drafter_step(drafter, folder / "step_first.onnx", True).path,
+              "drafter_step": export_drafter_step(drafter, folder / "step.onnx", False).path}
+    return tiny_target, drafter, graphs
+
+
+def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
+    target, drafter, graphs = exported
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    cases = [target_case(target.model, graphs["target"], "float32", prompts, SHAPE, drafter)]
+    real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(cases[0].reference[1::2], prompts)]
+    cases += drafter_cases(drafter, SHAPE, graphs, "float32", real)
+    for case in cases:
+        report = check_case(case, tmp_path / "bundles")
+        assert report.passed, [o for o in report.outputs if not o.passed]
+        for o in report.outputs:
+            if o.exact:
+                assert o.max_abs == 0.0
+            elif "logits" in o.output:
+                assert o.max_abs <= 1e-4
+    # Parity bundles in Polygraphy's format: inputs and reference outputs load back.
+    from polygraphy.comparator import RunResults
+    from polygraphy.json import load_json
+    feeds = load_json(str(tmp_path / "bundles" / "target.inputs.json"))
+    assert set(feeds[0]) >= {"input_ids", "attention_mask", "logits_index", "past_key_0"}
+    ref = RunResults.load(str(tmp_path / "bundles" / "drafter_tree.reference.json"))
+    assert "tree_tokens" in list(ref.values())[0][0]
+
+
+def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
+    """The comparison can fail: a graph exported from different weights is flagged."""
+    target, drafter, graphs = exported
+    other = random_drafter(target, drafter.cfg.variant, seed=99, draft_vocab_size=48)
+    export_drafter_step(other, tmp_path / "wrong.onnx", True)
+    case = [c for c in drafter_cases(drafter, SHAPE, {"drafter_step_first": tmp_path / "wrong.onnx"}, "float32", [])][0]
+    assert not check_case(case).passed
+
+
+def test_onnxruntime_decoder_equals_torch_decoder(exported):
+    target, drafter, graphs = exported
+    ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings)
+    ort_drafter = OrtDrafter(graphs["drafter_tree"], SHAPE)
+    for seed in range(4):
+        prompt = torch.randint(3, target.config.vocab_size, (9 + 11 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate_autoregressive(TorchTarget(target.model), prompt, 40, [])
+        torch_tree = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, SHAPE), []).generate(prompt, 40)
+        planted = PlantedDrafter(ort_drafter, len(prompt), ref.tokens, seed=seed)
+        ort = SpeculativeDecoder(ort_target, planted, []).generate(prompt, 40)
+        assert ort.tokens == ref.tokens == torch_tree.tokens
+        assert max(ort.accept_lengths) >= 3     # the planted paths were accepted: compaction ran
+        assert generate_autoregressive(ort_target, prompt, 40, []).tokens == ref.tokens
+        unplanted = SpeculativeDecoder(ort_target, ort_drafter, []).generate(prompt, 40)
+        assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
+
+
+def test_drafter_graph_rejects_another_tree_shape(exported):
+    _, _, graphs = exported
+    with pytest.raises(ValueError, match="total_tokens 10, not 12"):
+        OrtDrafter(graphs["drafter_tree"], TreeShape(4, 3, 12))
+
+
+def test_exported_graphs_pass_the_tensorrt_op_check(exported):
+    for path in exported[2].values():
+        check_graph(path)
+        ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+        assert not ops & {"Loop", "If", "SequenceConstruct", "Sort"}
+
+
+def _graph(nodes, inputs, outputs, initializers=(), opset=19):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_op_check_rejects_unsupported_graphs():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
+    det = _graph([helper.make_node("Det", ["x"], ["y"], name="det0")], [x], [y])
+    assert any("'det0' (Det) is not supported" in p for p in find_problems(det))
+    with pytest.raises(UnsupportedGraph, match="Det"):
+        check_graph(det)
+
+    big_k = helper.make_tensor("k", TensorProto.INT64, [1], [5000])
+    v = helper.make_tensor_value_info("v", TensorProto.FLOAT, [4, 5000])
+    i = helper.make_tensor_value_info("i", TensorProto.INT64, [4, 5000])
+    topk = _graph([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk0")], [x], [v, i], [big_k])
+    assert any("k = 5000" in p for p in find_problems(topk))
+
+    d = helper.make_tensor_value_info("d", TensorProto.DOUBLE, [4, 4])
+    cast = _graph([helper.make_node("Cast", ["x"], ["d"], to=TensorProto.DOUBLE, name="cast0")], [x], [d])
+    problems = find_problems(cast)
+    assert any("casts to DOUBLE" in p for p in problems) and any("'d' has type DOUBLE" in p for p in problems)
+
+    custom = _graph([helper.make_node("Foo", ["x"], ["y"], domain="acme", name="foo0")], [x], [y])
+    custom.opset_import.append(helper.make_opsetid("acme", 1))
+    assert any("custom domain 'acme'" in p for p in find_problems(custom))
+
+    fine = _graph([helper.make_node("Relu", ["x"], ["r"])], [x], [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 4])])
+    assert find_problems(fine) == []
+    old = _graph([helper.make_node("Relu", ["x"], ["r"])], [x],
+                 [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 4])], opset=7)
+    assert any("opset 7" in p for p in find_problems(old))
+
+
+def test_failed_export_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch):
+    import eagle_trt.export.onnx_export as mod
+
+    def broken_check(path, label=None):
+        raise UnsupportedGraph("injected failure")
+    monkeypatch.setattr(mod, "check_graph", broken_check)
+    with pytest.raises(UnsupportedGraph):
+        export_target(tiny_target.model, tmp_path / "out" / "target.onnx")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_fp16_target_graph_runs_and_stays_close(tiny_target, tmp_path):
+    import copy
+    model = copy.deepcopy(tiny_target.model).half()
+    path = export_target(model, tmp_path / "target16.onnx", dtype="float16").path
+    case = target_case(model, path, "float16", [list(range(3, 30))])
+    report = check_case(case)
+    assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
+    ref32 = target_case(tiny_target.model, path, "float32", [list(range(3, 30))]).reference[1]["logits"]
+    assert np.abs(case.reference[1]["logits"].astype(np.float32) - ref32).max() < 0.1
