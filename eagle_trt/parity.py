@@ -28,25 +28,29 @@ from .export.graphs import DraftTreeGraph, DrafterStepGraph, TargetGraph, target
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget, causal_mask
 
-# Max abs / rel error allowed per output, by dtype. fp32 graphs are the same arithmetic in
-# another order; fp16 graphs round every activation.
+# Allowed error per output kind and dtype, as (atol, rtol); an element passes when within
+# either (Polygraphy's element-wise rule). Logits use absolute bounds. The captured states and
+# KV rows carry the target's massive activations (SmolLM2: |x| up to ~2.5e4 on the first token),
+# so their atol is relative to the largest reference magnitude of that output ("scaled").
 TOLERANCES = {
-    "float32": {"logits": (1e-4, 1e-4), "captured": (1e-4, 1e-4), "kv": (1e-4, 1e-4), "scores": (1e-4, 1e-4),
-                "feedback": (1e-4, 1e-4)},
-    "float16": {"logits": (5e-2, 5e-2), "captured": (5e-2, 5e-2), "kv": (2e-2, 2e-2), "scores": (2e-2, 2e-2),
-                "feedback": (2e-2, 2e-2)},
+    "float32": {"logits": (1e-4, 1e-4), "scores": (1e-4, 1e-4), "feedback": (1e-4, 1e-4),
+                "captured": ("scaled", 1e-5), "kv": ("scaled", 1e-5)},
+    "float16": {"logits": (5e-2, 5e-2), "scores": (2e-2, 2e-2), "feedback": (2e-2, 2e-2),
+                "captured": ("scaled", 5e-3), "kv": ("scaled", 5e-3)},
 }
 EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths"}
 
 
-def tolerance_for(output: str, dtype: str) -> tuple[float, float]:
+def tolerance_for(output: str, dtype: str, reference: list[dict[str, np.ndarray]] | None = None
+                  ) -> tuple[float, float]:
     table = TOLERANCES[dtype]
-    if "key" in output or "value" in output:
-        return table["kv"]
-    for key in ("logits", "captured", "scores", "feedback"):
-        if key in output:
-            return table[key]
-    raise KeyError(output)
+    kind = "kv" if ("key" in output or "value" in output) else \
+        next(k for k in ("logits", "captured", "scores", "feedback") if k in output)
+    atol, rtol = table[kind]
+    if atol == "scaled":
+        scale = max(float(np.abs(r[output]).max()) if r[output].size else 0.0 for r in reference)
+        atol = rtol * max(scale, 1.0)
+    return atol, rtol
 
 
 @dataclass
@@ -118,12 +122,16 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
         case.labels.append(label)
         case.reference.append(_run(module, feed, out_names))
 
+    # Random: T random tokens after a past of P random tokens (the past KV is the model's own,
+    # so activations have realistic magnitudes), with a random tree-like hole in the mask.
     T, P = 7, 13
-    past = [(torch.randn(1, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).to(wdt),
-             torch.randn(1, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).to(wdt))
-            for _ in range(cfg.num_hidden_layers)]
-    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None],
-        causal_mask(T, P), past)
+    with torch.no_grad():
+        prefix = model(torch.randint(0, cfg.vocab_size, (1, P), generator=gen), torch.arange(P)[None],
+                       causal_mask(P, 0), *model.empty_past())
+    mask = causal_mask(T, P).clone()
+    mask[0, 3, P + 1] = False
+    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None], mask,
+        list(zip(prefix.new_k, prefix.new_v)))
     for prompt in real_prompts:
         n = len(prompt)
         ids = torch.tensor([prompt])
@@ -196,7 +204,7 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
 
 def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import CompareFunc, Comparator, IterationResult, RunResults
+    from polygraphy.comparator import Comparator, IterationResult, RunResults, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -207,11 +215,12 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
     results = RunResults(list(reference.items()) + list(ort_results.items()))
     names = list(case.reference[0])
     float_names = [n for n in names if n not in EXACT_OUTPUTS]
-    atol = {n: tolerance_for(n, case.dtype)[0] for n in float_names}
-    rtol = {n: tolerance_for(n, case.dtype)[1] for n in float_names}
+    tols = {n: tolerance_for(n, case.dtype, case.reference) for n in float_names}
+    atol = {n: t[0] for n, t in tols.items()}
+    rtol = {n: t[1] for n, t in tols.items()}
     atol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
     rtol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
-    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+    accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
 
     outputs = []
     ort_iters = list(ort_results.values())[0]
@@ -227,7 +236,7 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
                 max_abs = max(max_abs, float(diff.max()))
                 max_rel = max(max_rel, float((diff / (np.abs(a.astype(np.float64)) + 1e-6)).max()))
         exact = name in EXACT_OUTPUTS
-        tol = (0.0, 0.0) if exact else tolerance_for(name, case.dtype)
+        tol = (0.0, 0.0) if exact else tols[name]
         # Pass if within atol, or within rtol of the value (Polygraphy's rule: either bound).
         passed = max_abs == 0.0 if exact else all(
             np.all(np.abs(r[name].astype(np.float64) - np.asarray(g[name], np.float64))

@@ -48,7 +48,8 @@ def main() -> int:
     generate_autoregressive(target, prompts[0], 8, models.eos_ids)
 
     rows = {"autoregressive": {"tokens": 0, "seconds": 0.0, "graph_seconds": 0.0, "calls": 0},
-            "speculative": {"tokens": 0, "seconds": 0.0, "graph_seconds": 0.0, "calls": 0, "accept": []}}
+            "speculative": {"tokens": 0, "seconds": 0.0, "graph_seconds": 0.0, "calls": 0, "accept": [],
+                            "drafter_seconds": 0.0, "target_seconds": 0.0}}
     identical = 0
     for i, ids in enumerate(prompts):
         g0 = target.graph_seconds
@@ -58,8 +59,11 @@ def main() -> int:
         r["graph_seconds"] += target.graph_seconds - g0
 
         g0 = target.graph_seconds + drafter.graph_seconds
+        t0, d0 = target.graph_seconds, drafter.graph_seconds
         sp = decoder.generate(ids, args.max_new_tokens)
         r = rows["speculative"]
+        r["drafter_seconds"] += drafter.graph_seconds - d0
+        r["target_seconds"] += target.graph_seconds - t0
         r["tokens"] += len(sp.tokens); r["seconds"] += sp.seconds; r["calls"] += sp.target_calls + sp.drafter_calls
         r["graph_seconds"] += target.graph_seconds + drafter.graph_seconds - g0
         r["accept"] += sp.accept_lengths
@@ -80,6 +84,11 @@ def main() -> int:
         result[mode] = {"tokens_per_second": tps, "tokens": r["tokens"], "seconds": r["seconds"],
                         "graph_calls": r["calls"], "host_share": host}
         print(f"{mode:<16}{tps:>9.1f}{r['tokens']:>8}{r['seconds']:>9.1f}{r['calls']:>12}{host:>10.1%}")
+    sp = rows["speculative"]
+    result["speculative"]["drafter_graph_seconds"] = sp["drafter_seconds"]
+    result["speculative"]["target_graph_seconds"] = sp["target_seconds"]
+    print(f"speculative time split: drafter graph {sp['drafter_seconds'] / sp['seconds']:.1%}, "
+          f"target graph {sp['target_seconds'] / sp['seconds']:.1%}, host {1 - sp['graph_seconds'] / sp['seconds']:.1%}")
     accept = rows["speculative"]["accept"]
     result["mean_accept_length"] = sum(accept) / len(accept)
     result["speedup"] = result["speculative"]["tokens_per_second"] / result["autoregressive"]["tokens_per_second"]
