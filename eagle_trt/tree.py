@@ -90,7 +90,7 @@ def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_
     past_k / past_v: [1, P, Hkv, D] drafter KV of earlier committed rows (position = row index)
     Returns the tree and the drafter KV rows of the T committed inputs (to append to the cache).
     """
-    D, K, N = shape.depth, shape.top_k, shape.total_tokens
+    D, K = shape.depth, shape.top_k
     T, P = input_ids.shape[1], past_k.shape[1]
     positions = torch.arange(T, dtype=torch.int64)[None] + P
     step0 = drafter(drafter.project(captured), input_ids, positions, causal_mask(T, P), past_k, past_v)

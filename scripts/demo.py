@@ -5,7 +5,6 @@ output (plain autoregressive decoding with the same model, measured in the same 
 from __future__ import annotations
 
 import sys
-import time
 
 from eagle_trt.api import encode_prompt, load_pipeline
 from eagle_trt.config import TreeShape

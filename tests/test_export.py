@@ -4,7 +4,6 @@ The graphs are traced at one size (3 new tokens after 5 past) and run here at ot
 size that was baked in as a constant shows up as a failure."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import onnx

@@ -8,7 +8,6 @@ two must agree on tokens, parents, mask and depths, and on scores to float toler
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import pytest

@@ -14,7 +14,6 @@ drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ..config import TreeShape

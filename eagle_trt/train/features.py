@@ -1,0 +1,215 @@
+"""Target features for drafter training, computed once by our own LlamaTarget and cached.
+
+Per sequence of T tokens the cache holds (fp16 unless said otherwise):
+    ids       [T]        int32  token ids
+    mask      [T]        uint8  1 where the token is assistant text
+    captured  [T, A*H]          the captured residual-stream states (drafter step-0 input)
+    normed    [T, H]            the target's final hidden state after its final norm; the
+                                target distribution over the draft vocabulary is
+                                softmax(normed @ lm_head.weight[used].T)
+    argmax    [T]        int32  the target's greedy next token over the FULL vocabulary
+                                (drafts are accepted against it; it also tells whether the
+                                target's choice lies in the draft vocabulary)
+
+Sequences are grouped into safetensors shards written atomically (temp file, then rename).
+A shard already on disk whose fingerprint (sample ids and tokens) matches is skipped, so an
+interrupted extraction resumes where it stopped. `features.json` names the target and the
+captured streams; a cache folder built for another target or other captured layers is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..checkpoints import LoadedTarget
+from ..config import CaptureLayers
+from ..models.target import causal_mask
+from .data import Sample
+
+FORMAT = "eagle-trt-features/1"
+MANIFEST = "features.json"
+FP16_MAX = 65504.0
+
+
+class FeatureError(ValueError):
+    """A feature cache does not match the target, the captured layers or the samples."""
+
+
+def target_identity(target: LoadedTarget, capture: CaptureLayers) -> dict:
+    cfg_text = (Path(target.folder) / "config.json").read_bytes() if target.folder else b""
+    return {
+        "format": FORMAT,
+        "target": Path(target.folder).name,
+        "target_config_sha256": hashlib.sha256(cfg_text).hexdigest()[:16],
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+        "num_hidden_layers": target.config.num_hidden_layers,
+        "capture_layer_ids": list(capture.layer_ids),
+        "capture_convention": capture.convention,
+        "capture_streams": list(capture.streams()),
+    }
+
+
+def shard_fingerprint(samples: list[Sample]) -> str:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.sample_id.encode())
+        h.update(torch.tensor(s.ids, dtype=torch.int32).numpy().tobytes())
+        h.update(bytes(s.loss_mask))
+    return h.hexdigest()[:24]
+
+
+def _atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+@torch.inference_mode()
+def target_features(model, ids: list[int], sample_id: str = "<sample>") -> dict[str, torch.Tensor]:
+    """One sequence through the target: captured states, normed final state, greedy ids."""
+    x = torch.tensor([ids], dtype=torch.int64)
+    T = x.shape[1]
+    grabbed: list[torch.Tensor] = []
+    handle = model.norm.register_forward_hook(lambda _m, _i, out: grabbed.append(out))
+    try:
+        past_k, past_v = model.empty_past(1)
+        out = model(x, torch.arange(T)[None], causal_mask(T, 0), past_k, past_v)
+    finally:
+        handle.remove()
+    captured, normed = out.captured[0].float(), grabbed[-1][0].float()
+    for name, t in (("captured", captured), ("normed", normed)):
+        peak = float(t.abs().max())
+        if not peak < FP16_MAX:
+            raise FeatureError(f"sample {sample_id}: target {name} state reaches {peak:.4g}, beyond fp16 range")
+    return {
+        "ids": x[0].to(torch.int32),
+        "captured": captured.to(torch.float16),
+        "normed": normed.to(torch.float16),
+        "argmax": out.logits[0].argmax(-1).to(torch.int32),
+    }
+
+
+@dataclass
+class FeatureConfig:
+    shard_size: int = 64          # sequences per shard file
+    log_every_s: float = 30.0
+
+
+def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str | Path, capture: CaptureLayers,
+                     cfg: FeatureConfig | None = None, log: Callable[[str], None] = print) -> "FeatureStore":
+    """Compute (or resume computing) the feature cache of `samples` under `out_dir`.
+    Sets the target's capture layers to `capture`."""
+    cfg = cfg or FeatureConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    identity = target_identity(target, capture)
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        diff = {k: (old.get("identity", {}).get(k), v) for k, v in identity.items() if old.get("identity", {}).get(k) != v}
+        if diff:
+            raise FeatureError(f"{manifest_path}: this feature cache was built for another target or other captured "
+                               f"layers (cached vs requested: {diff}); use another --features-dir")
+        if old.get("shard_size") != cfg.shard_size:
+            raise FeatureError(f"{manifest_path}: cache uses shard_size {old.get('shard_size')}, requested {cfg.shard_size}")
+    model = target.model.eval()
+    model.set_capture(capture)
+    groups = [samples[i: i + cfg.shard_size] for i in range(0, len(samples), cfg.shard_size)]
+    shards, done_tokens, computed = [], 0, 0
+    total_tokens = sum(len(s.ids) for s in samples)
+    start = last_log = time.perf_counter()
+    for n, group in enumerate(groups):
+        path = out / f"shard_{n:05d}.safetensors"
+        fp = shard_fingerprint(group)
+        entry = {"file": path.name, "fingerprint": fp, "sequences": len(group), "tokens": sum(len(s.ids) for s in group)}
+        shards.append(entry)
+        if path.is_file():
+            with safe_open(str(path), "pt") as f:
+                have = (f.metadata() or {}).get("fingerprint")
+            if have != fp:
+                raise FeatureError(f"{path}: shard holds other samples (fingerprint {have}, expected {fp}); the data "
+                                   f"options changed since it was written; use another --features-dir")
+            done_tokens += entry["tokens"]
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        in_shard = 0
+        for k, s in enumerate(group):
+            feats = target_features(model, s.ids, s.sample_id)
+            feats["mask"] = torch.tensor(s.loss_mask, dtype=torch.uint8)
+            tensors.update({f"{k}.{name}": t.contiguous() for name, t in feats.items()})
+            computed += len(s.ids)
+            in_shard += len(s.ids)
+            now = time.perf_counter()
+            if now - last_log >= cfg.log_every_s:
+                last_log = now
+                rate = computed / (now - start)
+                left = total_tokens - done_tokens - in_shard
+                log(f"features: shard {n + 1}/{len(groups)}  {done_tokens + in_shard}/{total_tokens} tokens  "
+                    f"{rate:.0f} tok/s  eta {left / max(rate, 1e-9) / 60:.1f} min")
+        meta = {"format": FORMAT, "fingerprint": fp, "sample_ids": json.dumps([s.sample_id for s in group])}
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        done_tokens += entry["tokens"]
+        _atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
+    _atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
+    elapsed = time.perf_counter() - start
+    log(f"features: {len(samples)} sequences, {total_tokens} tokens in {out} ({len(groups)} shards; "
+        f"{computed} tokens computed in {elapsed:.1f} s this run)")
+    return FeatureStore(out, num_shards=len(groups))
+
+
+class FeatureStore:
+    """Read access to a feature cache; tensors are memory-mapped from the shards on demand."""
+
+    def __init__(self, folder: str | Path, num_shards: int | None = None):
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise FeatureError(f"{path}: no feature cache here (run feature extraction first)")
+        self.manifest = json.loads(path.read_text())
+        self.identity = self.manifest["identity"]
+        shards = self.manifest["shards"][: num_shards] if num_shards is not None else self.manifest["shards"]
+        self.index: list[tuple[int, int]] = []
+        self.lengths: list[int] = []
+        self._files = []
+        for n, entry in enumerate(shards):
+            f = self.folder / entry["file"]
+            if not f.is_file():
+                raise FeatureError(f"{f}: shard listed in {path} is missing (extraction interrupted? run it again)")
+            handle = safe_open(str(f), "pt")
+            self._files.append(handle)
+            for k in range(entry["sequences"]):
+                self.index.append((n, k))
+                self.lengths.append(int(handle.get_slice(f"{k}.ids").get_shape()[0]))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def get(self, i: int, names: tuple[str, ...] = ("ids", "mask", "captured", "normed", "argmax")) -> dict:
+        n, k = self.index[i]
+        return {name: self._files[n].get_tensor(f"{k}.{name}") for name in names}
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def check_target(self, target: LoadedTarget, capture: CaptureLayers) -> None:
+        want = target_identity(target, capture)
+        diff = {k: (self.identity.get(k), v) for k, v in want.items() if self.identity.get(k) != v}
+        if diff:
+            raise FeatureError(f"{self.folder / MANIFEST}: features do not fit this target / drafter capture "
+                               f"(cached vs requested: {diff})")
+
+
+__all__ = ["FeatureConfig", "FeatureError", "FeatureStore", "extract_features", "target_features", "target_identity"]

@@ -1,0 +1,345 @@
+"""EAGLE-3 / EAGLE 3.1 drafter training with the training-time test (TTT).
+
+For a sequence x_0..x_{T-1} with captured target states c_j, the drafter runs K steps over
+the indices j = 0..T-2 at once, exactly as the runtime drafts a chain from each j:
+
+    step 0:  state_j = fc(norms(c_j)),   id x_{j+1},   position j,   sees step-0 rows 0..j
+    step k:  state_j = feedback_j of step k-1 (z for EAGLE 3.1, h2 for EAGLE-3),
+             id x_{j+1+k}, position j+k, sees step-0 rows 0..j and its own rows of steps 1..k
+             (the attention mask over the concatenated KV of all steps is [causal | I | ... | I])
+    target:  the target's distribution at position j+1+k (the next token x_{j+2+k}),
+             restricted to the draft vocabulary and renormalized
+
+loss = sum_k decay^k * soft-CE_k, each averaged over the positions whose predicted token is
+assistant text (and, as in EAGLE-3, whose target top-1 lies in the draft vocabulary).
+Accuracy per step: the drafter's top-1 (mapped through d2t) equals the target's greedy token.
+Gradients flow through the fed-back states; the shared embedding and the target head rows
+used for the soft targets are frozen.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import CaptureLayers, DrafterConfig, TargetConfig
+from ..models.drafter import EagleDrafter
+from ..models.target import causal_mask
+from .features import FeatureStore
+from .vocab import DraftVocab
+
+STATE_FILE = "train_state.pt"
+
+
+class TrainError(ValueError):
+    """A training option or a saved training state does not fit this run."""
+
+
+@dataclass
+class TrainConfig:
+    variant: str = "eagle3.1"        # eagle3.1: fc_norm + norm_output; eagle3: neither
+    ttt_steps: int = 3
+    step_decay: float = 0.8          # weight of step k is decay**k (EAGLE-3 reference: 0.8)
+    steps: int = 1000
+    batch_size: int = 4
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1        # cosine decay to lr * min_lr_ratio at `steps`
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    eval_sequences: int = 0          # the last N cached sequences are held out and evaluated at saves
+    mask_out_of_vocab: bool = True   # skip positions whose target top-1 is not in the draft vocabulary
+
+    def validate(self) -> "TrainConfig":
+        if self.variant not in ("eagle3", "eagle3.1"):
+            raise TrainError(f"variant must be 'eagle3' or 'eagle3.1', got {self.variant!r}")
+        for name in ("ttt_steps", "steps", "batch_size", "log_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise TrainError(f"lr must be > 0, got {self.lr}")
+        return self
+
+    # Options that change the trajectory: a resumed run must keep them.
+    TRAJECTORY_KEYS = ("variant", "ttt_steps", "step_decay", "batch_size", "seed", "eval_sequences",
+                       "mask_out_of_vocab", "weight_decay")
+
+
+# ----------------------------------------------------------------------------- model setup
+
+def new_drafter(target_cfg: TargetConfig, variant: str, vocab: DraftVocab, capture: CaptureLayers,
+                embed: Tensor, head_rows: Tensor | None = None, norm_weight: Tensor | None = None,
+                seed: int = 0, std: float = 0.02) -> EagleDrafter:
+    """A fresh drafter shaped like one target layer. The embedding is the target's (frozen,
+    shared); lm_head starts from the target's head rows of the draft vocabulary."""
+    t = target_cfg
+    is31 = variant == "eagle3.1"
+    cfg = DrafterConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+        draft_vocab_size=vocab.size, target_hidden_size=t.hidden_size, num_aux_hidden_states=len(capture.layer_ids),
+        rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings, capture=capture, fc_norm=is31, norm_output=is31)
+    drafter = EagleDrafter(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name == "embed_tokens.weight":
+                continue
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):
+                p.fill_(1.0)
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+        if head_rows is not None:
+            drafter.lm_head.weight.copy_(head_rows)
+        if norm_weight is not None:
+            drafter.norm.weight.copy_(norm_weight)
+        drafter.d2t.copy_(vocab.d2t)
+        drafter.t2d.copy_(vocab.t2d)
+    drafter.embed_tokens.weight = torch.nn.Parameter(embed.detach(), requires_grad=False)
+    drafter.embed_shared = True
+    return drafter
+
+
+# ----------------------------------------------------------------------------- batches
+
+@dataclass
+class Batch:
+    ids: Tensor        # [B, T] int64, right-padded with 0
+    captured: Tensor   # [B, T, A*Ht] float32
+    normed: Tensor     # [B, T, H] float32
+    argmax: Tensor     # [B, T] int64: the target's greedy token after position p
+    pred_mask: Tensor  # [B, T] bool: the target's prediction at position p is for assistant text
+    tokens: int
+
+
+def collate(items: list[dict]) -> Batch:
+    T = max(int(it["ids"].shape[0]) for it in items)
+    B = len(items)
+    A = items[0]["captured"].shape[-1]
+    H = items[0]["normed"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    captured, normed = torch.zeros(B, T, A), torch.zeros(B, T, H)
+    argmax = torch.zeros(B, T, dtype=torch.int64)
+    pred_mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, it in enumerate(items):
+        L = int(it["ids"].shape[0])
+        ids[b, :L] = it["ids"].long()
+        captured[b, :L] = it["captured"].float()
+        normed[b, :L] = it["normed"].float()
+        argmax[b, :L] = it["argmax"].long()
+        pred_mask[b, : L - 1] = it["mask"][1:L].bool()   # position p predicts token p + 1
+    return Batch(ids, captured, normed, argmax, pred_mask, sum(int(it["ids"].shape[0]) for it in items))
+
+
+# ----------------------------------------------------------------------------- TTT forward
+
+@dataclass
+class TTTOutput:
+    losses: list[Tensor]       # per step, scalar
+    accs: list[float]          # per step, top-1 agreement with the target's greedy token
+    counts: list[int]          # positions counted per step
+    logits: list[Tensor] = field(default_factory=list)   # per step [B, T-1, Vd] when asked for
+
+    def total(self, decay: float) -> Tensor:
+        return sum(decay ** k * l for k, l in enumerate(self.losses))
+
+
+def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: int,
+                mask_out_of_vocab: bool = True, keep_logits: bool = False) -> TTTOutput:
+    B, T = batch.ids.shape
+    n = T - 1                                    # drafter indices j = 0..T-2
+    if n < 1:
+        raise TrainError("training sequences need at least 2 tokens")
+    dtype = drafter.fc.weight.dtype
+    pad = lambda x: torch.cat((x, x.new_zeros(B, steps, *x.shape[2:])), dim=1)  # noqa: E731
+    ids, argmax, pred_mask = pad(batch.ids), pad(batch.argmax), pad(batch.pred_mask)
+    with torch.no_grad():   # soft targets: the target's distribution over the draft vocabulary
+        target_logp = torch.log_softmax(batch.normed.float() @ head_rows.float().T, dim=-1)
+        target_logp = pad(target_logp)
+    t2d = drafter.t2d
+    hidden = drafter.project(batch.captured[:, :n].to(dtype))
+    positions = torch.arange(n)[None].expand(B, n)
+    causal, eye = causal_mask(n, 0)[0], torch.eye(n, dtype=torch.bool)
+    past_k, past_v = drafter.empty_past(B)
+    out = TTTOutput([], [], [])
+    for k in range(steps):
+        sl = slice(1 + k, 1 + k + n)             # position p = j + 1 + k
+        mask = torch.cat([causal] + [eye] * k, dim=1)[None].expand(B, n, (k + 1) * n)
+        step = drafter(hidden, ids[:, sl], positions + k, mask, past_k, past_v)
+        past_k, past_v = torch.cat((past_k, step.new_k), 1), torch.cat((past_v, step.new_v), 1)
+        logp = torch.log_softmax(step.logits.float(), dim=-1)
+        ce = -(target_logp[:, sl].exp() * logp).sum(-1)                 # [B, n]
+        counted = pred_mask[:, sl]
+        valid = counted & t2d[argmax[:, sl]] if mask_out_of_vocab else counted
+        out.losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
+        with torch.no_grad():
+            hit = drafter.to_target_ids(step.logits.argmax(-1)) == argmax[:, sl]
+            c = int(counted.sum())
+            out.accs.append(float((hit & counted).sum()) / max(c, 1))
+            out.counts.append(c)
+        if keep_logits:
+            out.logits.append(step.logits)
+        hidden = step.feedback                   # z (EAGLE 3.1) or h2 (EAGLE-3), same index j
+    return out
+
+
+# ----------------------------------------------------------------------------- training loop
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_indices(step: int, train_ids: list[int], cfg: TrainConfig) -> list[int]:
+    """The sequences of a step: a pure function of (seed, step), so a resumed run sees the
+    same batches as an uninterrupted one. Each epoch is a fresh seeded permutation."""
+    n, out = len(train_ids), []
+    first = step * cfg.batch_size
+    for flat in range(first, first + cfg.batch_size):
+        epoch, i = divmod(flat, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        out.append(train_ids[int(perm[i])])
+    return out
+
+
+def trainable_state(drafter: EagleDrafter) -> dict[str, Tensor]:
+    return {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@dataclass
+class TrainResult:
+    log: list[dict]
+    step: int
+    finished: bool
+
+
+def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_rows: Tensor,
+             cfg: TrainConfig) -> dict:
+    drafter.eval()
+    losses, accs, counts = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps, [0] * cfg.ttt_steps
+    with torch.no_grad():
+        for i in ids:
+            o = ttt_forward(drafter, collate([store.get(i)]), head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
+            for k in range(cfg.ttt_steps):
+                losses[k] += float(o.losses[k]) * o.counts[k]
+                accs[k] += o.accs[k] * o.counts[k]
+                counts[k] += o.counts[k]
+    drafter.train()
+    return {"eval_loss": [l / max(c, 1) for l, c in zip(losses, counts)],
+            "eval_acc": [a / max(c, 1) for a, c in zip(accs, counts)]}
+
+
+def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: TrainConfig, out_dir: str | Path,
+          resume: bool = False, stop_at: int | None = None, time_budget_s: float | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train in place. Saves `out_dir/train_state.pt` every `save_every` steps and when
+    stopping early (stop_at, time budget, Ctrl-C); `resume` continues from it."""
+    cfg.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    held = cfg.eval_sequences
+    if len(store) - held < 1:
+        raise TrainError(f"{store.folder}: {len(store)} cached sequences, {held} held out for eval: nothing to train on")
+    train_ids, eval_ids = list(range(len(store) - held)), list(range(len(store) - held, len(store)))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    history: list[dict] = []
+    step = 0
+    if resume and state_path.is_file():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        for key in TrainConfig.TRAJECTORY_KEYS:
+            if state["config"].get(key) != getattr(cfg, key):
+                raise TrainError(f"{state_path}: saved run has {key}={state['config'].get(key)!r}, this run "
+                                 f"{getattr(cfg, key)!r}; resume with the same options or use another --out")
+        if not torch.equal(state["model"]["d2t"], drafter.d2t):
+            raise TrainError(f"{state_path}: saved run used another draft vocabulary")
+        drafter.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["py_rng"])
+        step, history = state["step"], state["log"]
+        log(f"train: resumed from {state_path} at step {step}")
+    elif resume:
+        log(f"train: no {state_path} yet, starting from step 0")
+
+    def save() -> None:
+        _atomic_torch_save({"model": trainable_state(drafter), "optimizer": opt.state_dict(), "step": step,
+                            "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "log": history,
+                            "config": asdict(cfg)}, state_path)
+        tmp = out / ".train_log.json.tmp"
+        tmp.write_text(json.dumps({"config": asdict(cfg), "step": step, "log": history}, indent=1))
+        os.replace(tmp, out / "train_log.json")
+
+    drafter.train()
+    start, tokens, window = time.perf_counter(), 0, []
+    stop = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
+    first_step = step
+    try:
+        while step < stop:
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
+                break
+            batch = collate([store.get(i) for i in batch_indices(step, train_ids, cfg)])
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            o = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
+            loss = o.total(cfg.step_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            tokens += batch.tokens
+            entry = {"step": step, "loss": float(loss.detach()), "step_loss": [float(x.detach()) for x in o.losses],
+                     "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
+            history.append(entry)
+            window.append(entry)
+            if step % cfg.log_every == 0 or step == stop:
+                acc = "/".join(f"{sum(e['acc'][k] for e in window) / len(window):.3f}" for k in range(cfg.ttt_steps))
+                mean_loss = sum(e["loss"] for e in window) / len(window)
+                elapsed = time.perf_counter() - start
+                eta_min = (cfg.steps - step) * elapsed / max(step - first_step, 1) / 60
+                log(f"train: step {step}/{cfg.steps}  loss {mean_loss:.4f}  acc {acc}  lr {entry['lr']:.2e}  "
+                    f"{tokens / elapsed:.0f} tok/s  eta {eta_min:.1f} min")
+                window = []
+            if step % cfg.save_every == 0 or step == stop:
+                if eval_ids:
+                    entry.update(evaluate(drafter, store, eval_ids, head_rows, cfg))
+                    log(f"train: eval at step {step}: loss {' '.join(f'{x:.4f}' for x in entry['eval_loss'])}  "
+                        f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}")
+                save()
+    except KeyboardInterrupt:
+        log(f"train: interrupted at step {step}; saving {state_path}")
+        save()
+        raise
+    if step < stop:   # stopped by the time budget
+        save()
+    drafter.eval()
+    return TrainResult(history, step, step >= cfg.steps)
+
+
+__all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate",
+           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward"]

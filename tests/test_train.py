@@ -1,0 +1,352 @@
+"""Drafter training: feature cache, draft vocabulary, the training-time test (TTT) against the
+runtime's own drafting, resumable training, the saved checkpoint in the runtime decoder, and
+the MT-bench guard. Fast tests use a tiny random target and synthetic token sequences."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle_trt.checkpoints import load_drafter, load_target, save_drafter
+from eagle_trt.config import CaptureLayers, TreeShape
+from eagle_trt.models.target import causal_mask
+from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.train import features as features_mod
+from eagle_trt.train.data import (DataConfig, DataError, MTBenchGuard, Sample, iter_json_array, load_samples,
+                                  to_messages)
+from eagle_trt.train.features import FeatureConfig, FeatureError, FeatureStore, extract_features
+from eagle_trt.train.ttt import TrainConfig, TrainError, collate, new_drafter, train, ttt_forward
+from eagle_trt.train.vocab import DraftVocab, build_draft_vocab, count_tokens
+
+from conftest import write_tiny_hf_target
+
+VOCAB, DRAFT_VOCAB = 96, 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load_target(write_tiny_hf_target(tmp_path_factory.mktemp("train_target"), vocab=VOCAB, seed=5))
+
+
+@pytest.fixture(scope="module")
+def capture(target):
+    return CaptureLayers.eagle_default(target.config.num_hidden_layers)
+
+
+@pytest.fixture(scope="module")
+def samples(target) -> list[Sample]:
+    """Sequences sampled from the target itself, so that they carry learnable structure;
+    the first 6 tokens of each play the prompt (loss mask 0)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(3, VOCAB, (24, 4), generator=gen)
+    with torch.no_grad():
+        while x.shape[1] < 44:
+            T = x.shape[1]
+            pk, pv = target.model.empty_past(x.shape[0])
+            logits = target.model(x, torch.arange(T)[None].expand(x.shape[0], T), causal_mask(T, 0), pk, pv,
+                                  torch.tensor([T - 1])).logits[:, -1]
+            x = torch.cat((x, torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=gen)), dim=1)
+    lengths = torch.randint(24, 45, (24,), generator=gen).tolist()
+    return [Sample(f"syn{i}", x[i, :L].tolist(), [0] * 6 + [1] * (L - 6)) for i, L in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def store(target, capture, samples, tmp_path_factory):
+    return extract_features(target, samples, tmp_path_factory.mktemp("feat"), capture, FeatureConfig(shard_size=8),
+                            log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def vocab(store) -> DraftVocab:
+    items = [store.get(i, ("ids", "mask")) for i in range(len(store))]
+    return build_draft_vocab(count_tokens([it["ids"] for it in items], [it["mask"] for it in items], VOCAB), DRAFT_VOCAB)
+
+
+def make_drafter(target, vocab, capture, variant, seed=0):
+    m = target.model
+    return new_drafter(target.config, variant, vocab, capture, m.embed_tokens.weight, head_rows(target, vocab),
+                       m.norm.weight.detach(), seed=seed)
+
+
+def head_rows(target, vocab):
+    return target.model.lm_head.weight.detach()[vocab.used].clone()
+
+
+# ----------------------------------------------------------------------------- features
+
+def test_features_round_trip(target, capture, samples, store):
+    assert len(store) == len(samples) and store.lengths == [len(s.ids) for s in samples]
+    model = target.model
+    model.set_capture(capture)
+    for i in (0, 13, 23):
+        got, s = store.get(i), samples[i]
+        assert got["ids"].tolist() == s.ids and got["mask"].tolist() == s.loss_mask
+        T = len(s.ids)
+        grabbed = []
+        h = model.norm.register_forward_hook(lambda _m, _i, o: grabbed.append(o))
+        with torch.no_grad():
+            out = model(torch.tensor([s.ids]), torch.arange(T)[None], causal_mask(T, 0), *model.empty_past(1))
+        h.remove()
+        assert got["captured"].dtype == torch.float16 and got["captured"].shape == (T, 3 * target.config.hidden_size)
+        torch.testing.assert_close(got["captured"].float(), out.captured[0], atol=2e-2, rtol=1e-3)
+        torch.testing.assert_close(got["normed"].float(), grabbed[0][0], atol=2e-2, rtol=1e-3)
+        assert got["argmax"].tolist() == out.logits[0].argmax(-1).tolist()
+        # The cached normed state reproduces the target's logits through lm_head.
+        torch.testing.assert_close(got["normed"].float() @ model.lm_head.weight.T, out.logits[0], atol=0.1, rtol=1e-2)
+
+
+def test_features_resume_skips_finished_shards(target, capture, samples, tmp_path, monkeypatch):
+    folder = tmp_path / "feat"
+    extract_features(target, samples, folder, capture, FeatureConfig(shard_size=8), log=lambda _: None)
+    shards = sorted(folder.glob("shard_*.safetensors"))
+    assert len(shards) == 3 and not list(folder.glob(".*tmp"))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[1].unlink()                                       # as if interrupted before shard 1 was written
+    calls = []
+    real = features_mod.target_features
+    monkeypatch.setattr(features_mod, "target_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    store = extract_features(target, samples, folder, capture, FeatureConfig(shard_size=8), log=lambda _: None)
+    assert len(calls) == 8                                   # only the missing shard was computed
+    assert shards[0].stat().st_mtime_ns == mtimes[shards[0].name]
+    assert shards[2].stat().st_mtime_ns == mtimes[shards[2].name]
+    assert store.get(9)["ids"].tolist() == samples[9].ids
+    calls.clear()
+    extract_features(target, samples, folder, capture, FeatureConfig(shard_size=8), log=lambda _: None)
+    assert calls == []
+    # Another capture, or other samples in a finished shard, are refused with the file named.
+    with pytest.raises(FeatureError, match="features.json"):
+        extract_features(target, samples, folder, CaptureLayers((1, 2, 3)), FeatureConfig(shard_size=8))
+    changed = [Sample("other", samples[0].ids, samples[0].loss_mask)] + samples[1:]
+    with pytest.raises(FeatureError, match="shard_00000"):
+        extract_features(target, changed, folder, capture, FeatureConfig(shard_size=8))
+    with pytest.raises(FeatureError, match="capture"):
+        FeatureStore(folder).check_target(target, CaptureLayers((1, 2, 3)))
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+def test_draft_vocab_and_d2t(tmp_path):
+    seqs = [torch.tensor([5, 5, 5, 7, 7, 9, 1, 1, 1, 1]), torch.tensor([9, 9, 2, 2, 2, 2, 2])]
+    masks = [torch.tensor([1, 1, 1, 1, 1, 1, 0, 0, 0, 0]), torch.ones(7, dtype=torch.uint8)]
+    counts = count_tokens(seqs, masks, 12)
+    assert counts[1] == 0 and counts[5] == 3 and counts[2] == 5 and counts[9] == 3
+    v = build_draft_vocab(counts, 4)
+    assert v.used.tolist() == [2, 5, 7, 9]                  # top 4 by count, sorted (5 and 9 tie)
+    assert v.d2t.dtype == torch.int64 and v.d2t.tolist() == [2, 4, 5, 6]
+    assert torch.equal(torch.arange(4) + v.d2t, v.used)
+    assert v.t2d.dtype == torch.bool and v.t2d.nonzero().flatten().tolist() == [2, 5, 7, 9]
+    assert v.coverage == pytest.approx(1.0)
+    # Ties, never-seen ids included, go to the lower id.
+    assert build_draft_vocab(counts, 6).used.tolist() == [0, 2, 3, 5, 7, 9]
+    v.save(tmp_path / "v.safetensors")
+    back = DraftVocab.load(tmp_path / "v.safetensors", 12)
+    assert torch.equal(back.used, v.used) and torch.equal(back.d2t, v.d2t) and torch.equal(back.t2d, v.t2d)
+    with pytest.raises(ValueError, match="vocab_size 50"):
+        DraftVocab.load(tmp_path / "v.safetensors", 50)
+    with pytest.raises(ValueError, match="1..12"):
+        build_draft_vocab(counts, 13)
+
+
+# ----------------------------------------------------------------------------- TTT
+
+def runtime_chain_logits(drafter, item, j, steps):
+    """Logits of drafting a chain from index j the way tree.draft_tree does: step 0 over the
+    committed rows 0..j, then one frontier node per step that sees the context and its own
+    ancestors, fed the previous step's feedback and the next data token."""
+    ids, cap = item["ids"].long()[None], item["captured"].float()[None]
+    with torch.no_grad():
+        s0 = drafter(drafter.project(cap[:, : j + 1]), ids[:, 1: j + 2], torch.arange(j + 1)[None],
+                     causal_mask(j + 1, 0), *drafter.empty_past(1))
+        out, state = [s0.logits[0, -1]], s0.feedback[:, -1:]
+        ks, vs = s0.new_k, s0.new_v
+        for k in range(1, steps):
+            mask = torch.ones(1, 1, ks.shape[1] + 1, dtype=torch.bool)
+            step = drafter(state, ids[:, j + 1 + k: j + 2 + k], torch.tensor([[j + k]]), mask, ks, vs)
+            ks, vs = torch.cat((ks, step.new_k), 1), torch.cat((vs, step.new_v), 1)
+            out.append(step.logits[0, -1])
+            state = step.feedback
+    return out
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_ttt_equals_runtime_chain_drafting(target, store, vocab, capture, variant):
+    """Masks, position shifts, input-id shifts and feedback in training match inference."""
+    drafter = make_drafter(target, vocab, capture, variant, seed=1)
+    items = [store.get(2), store.get(5)]
+    with torch.no_grad():
+        o = ttt_forward(drafter, collate(items), head_rows(target, vocab), 3, keep_logits=True)
+    for b, item in enumerate(items):
+        L = int(item["ids"].shape[0])
+        for j in (0, 7, L - 4):
+            ref = runtime_chain_logits(drafter, item, j, 3)
+            for k in range(3):
+                torch.testing.assert_close(o.logits[k][b, j], ref[k], atol=1e-4, rtol=1e-4)
+
+
+def test_feedback_is_prenorm_for_eagle3_and_postnorm_for_31(target, store, vocab, capture):
+    """Same weights, only the feedback flag swapped: step 0 is unchanged, later steps change."""
+    batch = collate([store.get(0), store.get(1)])
+    head = head_rows(target, vocab)
+    e3 = make_drafter(target, vocab, capture, "eagle3", seed=2)
+    swapped = make_drafter(target, vocab, capture, "eagle3", seed=2)
+    swapped.cfg.norm_output = True                # feed back z = norm(h2) instead of h2
+    with torch.no_grad():
+        a = ttt_forward(e3, batch, head, 3, keep_logits=True)
+        b = ttt_forward(swapped, batch, head, 3, keep_logits=True)
+    assert torch.equal(a.logits[0], b.logits[0])
+    for k in (1, 2):
+        assert (a.logits[k] - b.logits[k]).abs().max() > 1e-3
+    # Step 1 at index 0 by hand: EAGLE-3 feeds h2 (pre-norm), the swapped flag feeds norm(h2).
+    item = store.get(0)
+    ids, cap = item["ids"].long()[None], item["captured"].float()[None]
+    with torch.no_grad():
+        s0 = e3(e3.project(cap[:, :1]), ids[:, 1:2], torch.zeros(1, 1, dtype=torch.long), causal_mask(1, 0),
+                *e3.empty_past(1))
+        h2 = s0.feedback
+        args = (ids[:, 2:3], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, 2, dtype=torch.bool), s0.new_k, s0.new_v)
+        pre, post = e3(h2, *args).logits[0, 0], e3(e3.norm(h2), *args).logits[0, 0]
+    assert (pre - post).abs().max() > 1e-3
+    torch.testing.assert_close(a.logits[1][0, 0], pre, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.logits[1][0, 0], post, atol=1e-4, rtol=1e-4)
+    assert h2.pow(2).mean().sqrt() > 1.5 * e3.norm(h2).pow(2).mean().sqrt() or \
+        h2.pow(2).mean().sqrt() < e3.norm(h2).pow(2).mean().sqrt() / 1.5   # the two states really differ in scale
+
+
+@pytest.fixture(scope="module")
+def trained(target, store, vocab, capture, tmp_path_factory):
+    runs = {}
+    for variant in ("eagle3", "eagle3.1"):
+        drafter = make_drafter(target, vocab, capture, variant)
+        cfg = TrainConfig(variant=variant, steps=40, batch_size=4, lr=3e-3, warmup_steps=5, log_every=100,
+                          save_every=20, eval_sequences=4)
+        out = tmp_path_factory.mktemp(f"run-{variant}")
+        result = train(drafter, store, head_rows(target, vocab), cfg, out, log=lambda _: None)
+        runs[variant] = (drafter, result, out)
+    return runs
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_ttt_loss_decreases(trained, variant):
+    drafter, result, out = trained[variant]
+    assert result.finished and result.step == 40 and len(result.log) == 40
+    first = sum(e["loss"] for e in result.log[:5]) / 5
+    last = sum(e["loss"] for e in result.log[-5:]) / 5
+    assert last < first - 0.3, (first, last)
+    for k in range(3):   # every TTT step improves, not only step 0
+        assert sum(e["step_loss"][k] for e in result.log[-5:]) < sum(e["step_loss"][k] for e in result.log[:5])
+    assert sum(e["acc"][0] for e in result.log[-5:]) > sum(e["acc"][0] for e in result.log[:5])
+    assert "eval_acc" in result.log[-1] and len(result.log[-1]["eval_acc"]) == 3
+    saved = json.loads((out / "train_log.json").read_text())
+    assert saved["step"] == 40 and saved["config"]["variant"] == variant
+
+
+def test_resumed_run_reproduces_uninterrupted_trajectory(target, store, vocab, capture, tmp_path):
+    cfg = TrainConfig(variant="eagle3.1", steps=12, batch_size=3, lr=2e-3, warmup_steps=3, log_every=100, save_every=4)
+    head = head_rows(target, vocab)
+    full = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head, cfg, tmp_path / "a", log=lambda _: None)
+    first = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head, cfg, tmp_path / "b", stop_at=6,
+                  log=lambda _: None)
+    assert first.step == 6 and not first.finished
+    # A fresh process would build a fresh (here: differently initialised) drafter and resume.
+    resumed_drafter = make_drafter(target, vocab, capture, "eagle3.1", seed=99)
+    resumed = train(resumed_drafter, store, head, cfg, tmp_path / "b", resume=True, log=lambda _: None)
+    assert resumed.finished and [e["step"] for e in resumed.log] == list(range(1, 13))
+    assert [e["loss"] for e in resumed.log] == pytest.approx([e["loss"] for e in full.log], rel=1e-6, abs=1e-7)
+    assert [e["acc"] for e in resumed.log] == [e["acc"] for e in full.log]
+    with pytest.raises(TrainError, match="batch_size"):
+        train(make_drafter(target, vocab, capture, "eagle3.1"), store, head,
+              TrainConfig(variant="eagle3.1", steps=12, batch_size=2), tmp_path / "b", resume=True)
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_saved_drafter_is_lossless_in_runtime_decoder(target, trained, samples, variant, tmp_path):
+    drafter, _, _ = trained[variant]
+    import copy
+    folder = save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), tmp_path / "drafter")
+    weights = folder / "model.safetensors"
+    from safetensors.torch import load_file
+    tensors = load_file(str(weights))
+    assert "embed_tokens.weight" not in tensors and "midlayer.self_attn.q_proj.weight" in tensors
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert tensors["lm_head.weight"].shape[0] == DRAFT_VOCAB
+    loaded = load_drafter(folder, target)
+    assert loaded.cfg.variant == variant and loaded.cfg.capture == drafter.cfg.capture
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    target.model.set_capture(loaded.cfg.capture_for(target.config))
+    dec = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(loaded, TreeShape(depth=3, top_k=2, total_tokens=6)),
+                             target.config.eos_token_ids)
+    for s in samples[:3]:
+        prompt = s.ids[:8]
+        res = dec.generate(prompt, 24)
+        ref = generate_autoregressive(TorchTarget(target.model), prompt, 24, target.config.eos_token_ids)
+        assert res.tokens == ref.tokens
+        assert res.target_calls <= ref.target_calls
+
+
+# ----------------------------------------------------------------------------- data
+
+MT_Q = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
+
+
+class ByteChatTokenizer:
+    """A byte-level tokenizer with a ChatML template: enough for rendering and masks."""
+    chat_template = "chatml"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+def test_mtbench_guard_rejects_mtbench_questions(tmp_path):
+    guard = MTBenchGuard([MT_Q, "What is 2+2?"])
+    clean = [{"role": "user", "content": "Tell me about volcanoes."}, {"role": "assistant", "content": "Hot."}]
+    hit = [{"role": "user", "content": "Please:  " + MT_Q.upper().replace(" ", "\n  ")}, clean[1]]
+    assert guard.find(clean) is None and guard.find(hit) is not None
+    guard.check(clean)
+    with pytest.raises(DataError, match="MT-bench"):
+        guard.check(hit, "sample 7")
+    # The loader drops it; the file is a truncated ShareGPT dump, decoded item by item.
+    items = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} " * 3},
+                                               {"from": "gpt", "value": f"answer number {i} " * 4}]}
+             for i in range(6)]
+    items[2]["conversations"][0]["value"] = MT_Q
+    text = json.dumps(items, indent=1)
+    (tmp_path / "dump.json").write_text(text[: text.index('"c5"') + 20])      # cut inside item 5
+    assert [it["id"] for it in iter_json_array(tmp_path / "dump.json", chunk_chars=50)] == [f"c{i}" for i in range(5)]
+    cfg = DataConfig(max_samples=10, max_len=400, min_assistant_tokens=4, val_fraction=0.0, path=str(tmp_path / "dump.json"))
+    got, stats = load_samples(ByteChatTokenizer(), cfg, guard)
+    assert [s.sample_id for s in got] == ["c0", "c1", "c3", "c4"]
+    assert stats.mtbench_rejected == 1 and stats.rejected_ids == ["c2"]
+    s = got[0]
+    masked = bytes(t for t, m in zip(s.ids, s.loss_mask) if m).decode()
+    assert masked == "answer number 0 " * 4 + "<|im_end|>\n"
+
+
+def test_to_messages_roles():
+    conv = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"},
+                              {"from": "gpt", "value": "a"}, {"from": "human", "value": "q2"}]}
+    assert to_messages(conv) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+@pytest.mark.slow
+def test_sharegpt_package_renders_with_smollm2_template(smollm2_tokenizer):
+    got, stats = load_samples(smollm2_tokenizer, DataConfig(max_samples=5, max_len=256))
+    assert len(got) == 5 and stats.mtbench_rejected == 0
+    for s in got:
+        assert 0 < sum(s.loss_mask) < len(s.ids)
+        first = s.loss_mask.index(1)
+        assert smollm2_tokenizer.decode(s.ids[:first]).endswith("<|im_start|>assistant\n")
