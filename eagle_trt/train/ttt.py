@@ -23,12 +23,11 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import CaptureLayers, DrafterConfig, TargetConfig
@@ -62,7 +61,7 @@ class TrainConfig:
     eval_sequences: int = 0          # the last N cached sequences are held out and evaluated at saves
     mask_out_of_vocab: bool = True   # skip positions whose target top-1 is not in the draft vocabulary
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         if self.variant not in ("eagle3", "eagle3.1"):
             raise TrainError(f"variant must be 'eagle3' or 'eagle3.1', got {self.variant!r}")
         for name in ("ttt_steps", "steps", "batch_size", "log_every", "save_every"):
@@ -164,11 +163,10 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
     if n < 1:
         raise TrainError("training sequences need at least 2 tokens")
     dtype = drafter.fc.weight.dtype
-    pad = lambda x: torch.cat((x, x.new_zeros(B, steps, *x.shape[2:])), dim=1)  # noqa: E731
+    pad = lambda x: torch.cat((x, x.new_zeros(B, steps, *x.shape[2:])), dim=1)
     ids, argmax, pred_mask = pad(batch.ids), pad(batch.argmax), pad(batch.pred_mask)
     with torch.no_grad():   # soft targets: the target's distribution over the draft vocabulary
-        target_logp = torch.log_softmax(batch.normed.float() @ head_rows.float().T, dim=-1)
-        target_logp = pad(target_logp)
+        target_p = pad(torch.softmax(batch.normed.float() @ head_rows.float().T, dim=-1))
     t2d = drafter.t2d
     hidden = drafter.project(batch.captured[:, :n].to(dtype))
     positions = torch.arange(n)[None].expand(B, n)
@@ -181,7 +179,7 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
         step = drafter(hidden, ids[:, sl], positions + k, mask, past_k, past_v)
         past_k, past_v = torch.cat((past_k, step.new_k), 1), torch.cat((past_v, step.new_v), 1)
         logp = torch.log_softmax(step.logits.float(), dim=-1)
-        ce = -(target_logp[:, sl].exp() * logp).sum(-1)                 # [B, n]
+        ce = -(target_p[:, sl] * logp).sum(-1)                           # [B, n]
         counted = pred_mask[:, sl]
         valid = counted & t2d[argmax[:, sl]] if mask_out_of_vocab else counted
         out.losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
@@ -254,8 +252,10 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
 def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: TrainConfig, out_dir: str | Path,
           resume: bool = False, stop_at: int | None = None, time_budget_s: float | None = None,
           log: Callable[[str], None] = print) -> TrainResult:
-    """Train in place. Saves `out_dir/train_state.pt` every `save_every` steps and when
-    stopping early (stop_at, time budget, Ctrl-C); `resume` continues from it."""
+    """Train in place. Saves `out_dir/train_state.pt` (model, optimizer, step, RNG, log)
+    atomically every `save_every` steps and when stopping early (stop_at, time budget,
+    Ctrl-C); `resume` continues from it. Batches are a function of (seed, step), so a
+    resumed run follows the same trajectory as an uninterrupted one."""
     cfg.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -296,7 +296,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     drafter.train()
     start, tokens, window = time.perf_counter(), 0, []
     stop = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
-    first_step = step
+    first_step, updating = step, False
     try:
         while step < stop:
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
@@ -310,12 +310,14 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            updating = True             # weights and step counter disagree until the entry is logged
             opt.step()
             step += 1
             tokens += batch.tokens
             entry = {"step": step, "loss": float(loss.detach()), "step_loss": [float(x.detach()) for x in o.losses],
                      "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
             history.append(entry)
+            updating = False
             window.append(entry)
             if step % cfg.log_every == 0 or step == stop:
                 acc = "/".join(f"{sum(e['acc'][k] for e in window) / len(window):.3f}" for k in range(cfg.ttt_steps))
@@ -332,8 +334,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
                         f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}")
                 save()
     except KeyboardInterrupt:
-        log(f"train: interrupted at step {step}; saving {state_path}")
-        save()
+        if not updating:        # interrupted mid-update: the last periodic checkpoint stands
+            log(f"train: interrupted at step {step}; saving {state_path}")
+            save()
         raise
     if step < stop:   # stopped by the time budget
         save()

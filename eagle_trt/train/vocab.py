@@ -6,9 +6,9 @@ over the target vocabulary marking the kept ids."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,7 +26,7 @@ class DraftVocab:
         return int(self.used.numel())
 
     @classmethod
-    def from_used(cls, used: torch.Tensor, vocab_size: int, coverage: float = float("nan")) -> "DraftVocab":
+    def from_used(cls, used: torch.Tensor, vocab_size: int, coverage: float = float("nan")) -> DraftVocab:
         used = torch.sort(used.to(torch.int64)).values
         if used.numel() and (int(used[0]) < 0 or int(used[-1]) >= vocab_size):
             raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}, got {int(used[0])}..{int(used[-1])}")
@@ -44,7 +44,7 @@ class DraftVocab:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path, vocab_size: int) -> "DraftVocab":
+    def load(cls, path: Path, vocab_size: int) -> DraftVocab:
         t = load_file(str(path))
         if "used" not in t:
             raise ValueError(f"{path}: no 'used' tensor: not a draft vocabulary file")
