@@ -50,6 +50,7 @@ def atomic_dir(final: Path):
             if exc_type is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return False
+            os.chmod(self.tmp, 0o755)   # mkdtemp's 0700 would make the checkpoint private
             if final.exists():
                 shutil.rmtree(final)
             os.replace(self.tmp, final)

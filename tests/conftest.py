@@ -165,3 +165,20 @@ class PlantedDrafter:
             tree.tokens[node - 1] = self.continuation[generated + depth]
             depth += 1
         return tree
+
+
+def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos) -> None:
+    """Greedy speculative decoding with `PlantedDrafter` around `drafter` must reproduce each
+    reference exactly; the drafts must really be accepted (vacuity guard), and every iteration
+    is one drafter call plus one target call."""
+    from eagle_trt.runtime.decoder import SpeculativeDecoder
+    accepted = []
+    for i, (ids, ref) in enumerate(zip(prompts, references)):
+        planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
+        res = SpeculativeDecoder(target, planted, eos).generate(ids, NEW_TOKENS)
+        assert res.tokens == ref, f"prompt {i}: speculative output diverges from transformers' greedy output"
+        assert res.target_calls == 1 + res.drafter_calls
+        accepted += res.accept_lengths
+    assert sum(accepted) / len(accepted) > 2.0, "drafts were not accepted: the check would be vacuous"
+    assert max(accepted) >= 4
+

@@ -12,10 +12,9 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.generate import main as generate_main
 from eagle_trt.parity import run_parity
-from eagle_trt.runtime.decoder import SpeculativeDecoder
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
-from conftest import NEW_TOKENS, PlantedDrafter
+from conftest import check_planted_greedy
 
 SHAPES = {"chain": TreeShape.chain(5), "tree": TreeShape(depth=5, top_k=4, total_tokens=24)}
 pytestmark = pytest.mark.slow
@@ -57,16 +56,8 @@ def test_onnxruntime_greedy_equals_transformers_generate(smollm2, drafters, targ
                                                          variant, shape_name, tmp_path):
     shape = SHAPES[shape_name]
     tree_graph = export_drafter_tree(drafters[variant], shape, tmp_path / "tree.onnx").path
-    target = OrtTarget(target_graph, smollm2.config.max_position_embeddings)
-    drafter = OrtDrafter(tree_graph, shape)
-    accepted = []
-    for i, (ids, ref) in enumerate(zip(mtbench_ids, hf_greedy)):
-        planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
-        res = SpeculativeDecoder(target, planted, smollm2.config.eos_token_ids).generate(ids, NEW_TOKENS)
-        assert res.tokens == ref, f"prompt {i}: ONNX Runtime output diverges from transformers' greedy output"
-        accepted += res.accept_lengths
-        assert res.target_calls == 1 + res.drafter_calls   # two graph calls per iteration
-    assert sum(accepted) / len(accepted) > 2.0 and max(accepted) >= 4
+    check_planted_greedy(OrtTarget(target_graph, smollm2.config.max_position_embeddings), OrtDrafter(tree_graph, shape),
+                         mtbench_ids, hf_greedy, smollm2.config.eos_token_ids)
 
 
 def test_generate_cli_onnxruntime_backend(tmp_path, capsys):
