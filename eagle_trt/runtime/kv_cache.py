@@ -27,16 +27,21 @@ class KVCache:
         n = self.length
         return [k[:, :n] for k in self.k], [v[:, :n] for v in self.v]
 
+    def stage(self, T: int) -> None:
+        """Reserve T rows after the committed length for a forward pass (which may write them
+        itself, as the ONNX Runtime backend's bound outputs do)."""
+        if self.length + T > self.capacity:
+            raise ContextOverflow(f"KV cache holds {self.capacity} rows; {self.length} committed + {T} new do not fit")
+        self.staged = T
+
     def write(self, new_k: list[Tensor], new_v: list[Tensor]) -> None:
         """Stage the rows of a forward pass right after the committed length."""
         T = new_k[0].shape[1]
-        if self.length + T > self.capacity:
-            raise ContextOverflow(f"KV cache holds {self.capacity} rows; {self.length} committed + {T} new do not fit")
+        self.stage(T)
         end = self.length + T
         for layer, (k, v) in enumerate(zip(new_k, new_v)):
             self.k[layer, :, self.length:end] = k
             self.v[layer, :, self.length:end] = v
-        self.staged = T
 
     def commit(self, rows: list[int]) -> None:
         """Keep staged rows `rows` (indices into the last write, increasing) as the next committed rows."""

@@ -15,8 +15,9 @@ import torch
 
 from ..config import TreeShape
 from ..tree import DraftTree
+from .kv_cache import KVCache
 
-NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 
 
 class _Timed:
@@ -47,32 +48,15 @@ def make_session(path: str | Path, threads: int | None = None,
         raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
 
 
-class _Cache:
-    """Per-layer [1, capacity, Hkv, D] buffers with a committed length."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype):
-        self.k = np.zeros((layers, 1, capacity, kv_heads, head_dim), dtype)
-        self.v = np.zeros_like(self.k)
-        self.capacity, self.length = capacity, 0
-
-    def check_room(self, new: int) -> None:
-        if self.length + new > self.capacity:
-            raise RuntimeError(f"KV cache holds {self.capacity} rows; {self.length} committed + {new} new do not fit")
-
-    def bind(self, io: ort.IOBinding, layer: int, past: tuple[str, str], new: tuple[str, str], T: int) -> None:
-        P = self.length
-        for buf, past_name, new_name in ((self.k[layer], past[0], new[0]), (self.v[layer], past[1], new[1])):
-            io.bind_cpu_input(past_name, buf[:, :P])
-            staged = buf[:, P:P + T]
-            io.bind_output(new_name, "cpu", 0, buf.dtype, list(staged.shape), staged.ctypes.data)
-
-    def commit(self, rows: list[int]) -> None:
-        if rows != list(range(len(rows))):
-            src = np.asarray(rows) + self.length
-            dst = slice(self.length, self.length + len(rows))
-            self.k[:, :, dst] = self.k[:, :, src]
-            self.v[:, :, dst] = self.v[:, :, src]
-        self.length += len(rows)
+def bind_kv(io: ort.IOBinding, cache: KVCache, layer: int, past: tuple[str, str], new: tuple[str, str]) -> None:
+    """Bind the committed prefix of `layer` as the past input and the staged rows as the output
+    buffer, both as zero-copy numpy views of the cache's own tensors."""
+    P, T = cache.length, cache.staged
+    for buf, past_name, new_name in ((cache.k[layer], past[0], new[0]), (cache.v[layer], past[1], new[1])):
+        array = buf.numpy()                       # [1, capacity, Hkv, D], shares memory with the cache
+        io.bind_cpu_input(past_name, array[:, :P])
+        staged = array[:, P:P + T]
+        io.bind_output(new_name, "cpu", 0, array.dtype, list(staged.shape), staged.ctypes.data)
 
 
 class OrtTarget(_Timed):
@@ -82,12 +66,12 @@ class OrtTarget(_Timed):
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
         shape = inputs["past_key_0"].shape   # [1, past_tokens, Hkv, D]
         self.kv_heads, self.head_dim = int(shape[2]), int(shape[3])
-        self.dtype = NP_DTYPES[inputs["past_key_0"].type]
+        self.dtype = TORCH_DTYPES[inputs["past_key_0"].type]
         self.max_context = max_context
-        self.cache: _Cache | None = None
+        self.cache: KVCache | None = None
 
     def reset(self, capacity: int) -> None:
-        self.cache = _Cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
+        self.cache = KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
 
     @property
     def length(self) -> int:
@@ -95,7 +79,7 @@ class OrtTarget(_Timed):
 
     def forward(self, input_ids, positions, mask, last_only=False):
         T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.check_room(T)
+        self.cache.stage(T)
         full = np.ones((1, T, P + T), dtype=bool)
         full[0, :, P:] = mask.numpy()
         io = self.session.io_binding()
@@ -107,7 +91,7 @@ class OrtTarget(_Timed):
         io.bind_output("logits", "cpu")
         io.bind_output("captured", "cpu")
         for i in range(self.num_layers):
-            self.cache.bind(io, i, (f"past_key_{i}", f"past_value_{i}"), (f"new_key_{i}", f"new_value_{i}"), T)
+            bind_kv(io, self.cache, i, (f"past_key_{i}", f"past_value_{i}"), (f"new_key_{i}", f"new_value_{i}"))
         self._run(io)
         logits, captured = io.get_outputs()[:2]
         return torch.from_numpy(logits.numpy()[0]), torch.from_numpy(captured.numpy()[0])
@@ -123,26 +107,26 @@ class OrtDrafter(_Timed):
         inputs = {i.name: i for i in self.session.get_inputs()}
         kv = inputs["past_key"].shape
         self.kv_heads, self.head_dim = int(kv[2]), int(kv[3])
-        self.dtype = NP_DTYPES[inputs["past_key"].type]
+        self.dtype = TORCH_DTYPES[inputs["past_key"].type]
         nodes = self.session.get_outputs()[0].shape[0]
         if isinstance(nodes, int) and nodes != shape.total_tokens:
             raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
                              f"not {shape.total_tokens}; re-export it for this tree shape")
-        self.cache: _Cache | None = None
+        self.cache: KVCache | None = None
 
     def reset(self, capacity: int) -> None:
-        self.cache = _Cache(1, self.kv_heads, self.head_dim, capacity, self.dtype)
+        self.cache = KVCache(1, self.kv_heads, self.head_dim, capacity, self.dtype)
 
     def draft(self, captured: torch.Tensor, input_ids: torch.Tensor) -> DraftTree:
         T = int(input_ids.shape[0])
-        self.cache.check_room(T)
+        self.cache.stage(T)
         io = self.session.io_binding()
-        io.bind_cpu_input("captured", captured.numpy()[None].astype(self.dtype))
+        io.bind_cpu_input("captured", captured[None].to(self.dtype).numpy())
         io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
         names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores"]
         for name in names:   # bound first: io.get_outputs() follows binding order
             io.bind_output(name, "cpu")
-        self.cache.bind(io, 0, ("past_key", "past_value"), ("new_key", "new_value"), T)
+        bind_kv(io, self.cache, 0, ("past_key", "past_value"), ("new_key", "new_value"))
         self._run(io)
         out = {name: torch.from_numpy(value.numpy()) for name, value in zip(names, io.get_outputs())}
         self.cache.commit(list(range(T)))
