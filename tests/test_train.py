@@ -348,3 +348,31 @@ def test_sharegpt_package_renders_with_smollm2_template(smollm2_tokenizer):
         assert 0 < sum(s.loss_mask) < len(s.ids)
         first = s.loss_mask.index(1)
         assert smollm2_tokenizer.decode(s.ids[:first]).endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- self-distillation data
+
+def test_batched_greedy_equals_one_prompt_at_a_time(target):
+    """Left padding, the pad rows' self-attention and the dropping of finished rows must not
+    change any answer: each batched answer equals the same prompt decoded alone."""
+    from eagle_trt.train.regenerate import greedy_batch
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12, 7)]
+    alone = [greedy_batch(target.model, [p], 20, set())[0] for p in prompts]
+    # An EOS id that some answers hit early and others never: rows finish at different steps.
+    counts = torch.bincount(torch.tensor([t for a in alone for t in a[:10]]), minlength=VOCAB)
+    eos = int(counts.argmax())
+    cut = [a[: a.index(eos) + 1] if eos in a else a for a in alone]
+    assert any(len(c) < 20 for c in cut) and any(len(c) == 20 for c in cut), "need rows finishing at different steps"
+    assert greedy_batch(target.model, prompts, 20, {eos}) == cut
+
+
+def test_concat_store_trains_on_both_caches_and_holds_out_the_last(target, capture, samples, store, tmp_path):
+    from eagle_trt.train.features import ConcatStore
+    other = extract_features(target, samples[:5], tmp_path / "other", capture, FeatureConfig(shard_size=2),
+                             log=lambda _m: None)
+    both = ConcatStore([other, store])
+    assert len(both) == len(other) + len(store) and both.tokens == other.tokens + store.tokens
+    assert torch.equal(both.get(0)["ids"], other.get(0)["ids"])
+    assert torch.equal(both.get(len(both) - 1)["captured"], store.get(len(store) - 1)["captured"])
+    assert both.folder == store.folder        # held-out evaluation sequences come from the last cache

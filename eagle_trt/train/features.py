@@ -212,4 +212,36 @@ class FeatureStore:
                                f"(cached vs requested: {diff})")
 
 
-__all__ = ["FeatureConfig", "FeatureError", "FeatureStore", "extract_features", "target_features", "target_identity"]
+class ConcatStore:
+    """Several feature caches read as one (e.g. ShareGPT answers plus the target's own answers).
+    The last store comes last, so held-out evaluation sequences are taken from it."""
+
+    def __init__(self, stores: list[FeatureStore]):
+        if not stores:
+            raise FeatureError("no feature caches given")
+        first = stores[0]
+        for s in stores[1:]:
+            if s.identity != first.identity:
+                raise FeatureError(f"{s.folder / MANIFEST} and {first.folder / MANIFEST} come from different "
+                                   f"targets or capture layers; they cannot be trained on together")
+        self.stores, self.folder, self.identity = stores, stores[-1].folder, first.identity
+        self.index = [(n, i) for n, s in enumerate(stores) for i in range(len(s))]
+        self.lengths = [length for s in stores for length in s.lengths]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def get(self, i: int, names: tuple[str, ...] = ("ids", "mask", "captured", "normed", "argmax")) -> dict:
+        n, k = self.index[i]
+        return self.stores[n].get(k, names)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def check_target(self, target: LoadedTarget, capture: CaptureLayers) -> None:
+        for s in self.stores:
+            s.check_target(target, capture)
+
+
+__all__ = ["ConcatStore", "FeatureConfig", "FeatureError", "FeatureStore", "extract_features", "target_features", "target_identity"]

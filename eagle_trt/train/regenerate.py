@@ -1,0 +1,155 @@
+"""Self-distillation data: the target's own greedy answers to ShareGPT first-turn prompts.
+
+    python -m eagle_trt.train.regenerate --target smollm2 --out cache/smollm2-regen.json \\
+        --max-prompts 1500 --max-new-tokens 256
+
+A drafter is judged on how well it predicts the target's greedy continuation, and a small
+target's greedy text is far more predictable than the ChatGPT answers in ShareGPT. Training
+on the target's own answers (as SpecForge and HASS do) moves the training contexts to the
+distribution the drafter meets at inference. Prompts keep the MT-bench guard and the
+train split of `data.py`; the output is a ShareGPT JSON file for `train --data`.
+
+Generation is batched greedy decoding with left padding and an explicit KV cache. Finished
+batches are appended to OUT.partial.jsonl, so an interrupted run resumes where it stopped;
+the JSON file appears (atomically) only when every prompt is answered."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..checkpoints import load_target
+from .data import DataConfig, MTBenchGuard, in_split, iter_json_array, sharegpt_file, to_messages
+
+
+def first_turn_prompts(tokenizer, max_prompts: int, max_prompt_tokens: int, path: Path | None = None,
+                       val_fraction: float = DataConfig.val_fraction) -> list[tuple[str, str, list[int]]]:
+    """(sample id, prompt text, rendered prompt ids) for train-split ShareGPT items."""
+    path = path or sharegpt_file()
+    guard, out = MTBenchGuard(), []
+    for n, item in enumerate(iter_json_array(path)):
+        if len(out) >= max_prompts:
+            break
+        if not isinstance(item, dict):
+            continue
+        sid = str(item.get("id", f"{path.name}#{n}"))
+        messages = to_messages(item)
+        if not messages or not in_split(sid, "train", val_fraction) or guard.find(messages[:1]) is not None:
+            continue
+        text = messages[0]["content"]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) <= max_prompt_tokens:
+            out.append((sid, text, ids))
+    return out
+
+
+@torch.inference_mode()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p)
+        valid[b, L - len(p):] = True
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    # Pad rows attend to themselves only, so no softmax row is empty (an empty row gives NaN
+    # states whose keys would poison the real rows through 0 * NaN).
+    mask = (torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
+    past_k, past_v = model.empty_past(B)
+    out = model(ids, pos, mask, past_k, past_v, logits_index=torch.tensor([L - 1]))
+    past_k, past_v = out.new_k, out.new_v
+    next_tok: Tensor = out.logits[:, -1].argmax(-1)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    rows = torch.arange(B)                  # batch row -> prompt index; finished rows are dropped
+    last_pos = pos[:, -1]
+    for _ in range(max_new_tokens):
+        keep = []
+        for r, b in enumerate(rows.tolist()):
+            t = int(next_tok[r])
+            tokens[b].append(t)
+            if t not in eos_ids:
+                keep.append(r)
+        if not keep or _ == max_new_tokens - 1:
+            break
+        if len(keep) < len(rows):
+            sel = torch.tensor(keep)
+            rows, next_tok, last_pos, valid = rows[sel], next_tok[sel], last_pos[sel], valid[sel]
+            past_k = [k.index_select(0, sel) for k in past_k]
+            past_v = [v.index_select(0, sel) for v in past_v]
+        last_pos = last_pos + 1
+        valid = torch.cat((valid, torch.ones(len(rows), 1, dtype=torch.bool)), 1)
+        out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :], past_k, past_v)
+        past_k = [torch.cat(p, 1) for p in zip(past_k, out.new_k)]
+        past_v = [torch.cat(p, 1) for p in zip(past_v, out.new_v)]
+        next_tok = out.logits[:, -1].argmax(-1)
+    return tokens
+
+
+def regenerate(target, prompts: list[tuple[str, str, list[int]]], out: Path, max_new_tokens: int,
+               batch_size: int) -> Path:
+    tok = target.tokenizer()
+    eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
+    partial = out.with_name(out.name + ".partial.jsonl")
+    done: dict[str, dict] = {}
+    if partial.is_file():
+        for line in partial.read_text().splitlines():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                break                       # a line cut by an interruption: regenerate from here
+            done[item["id"]] = item
+    todo = sorted((p for p in prompts if p[0] not in done), key=lambda p: len(p[2]))
+    print(f"regenerate: {len(done)} answered before, {len(todo)} to go, batch {batch_size}, "
+          f"max {max_new_tokens} new tokens", flush=True)
+    t0, new_tokens = time.perf_counter(), 0
+    with open(partial, "a") as f:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
+            answers = greedy_batch(target.model, [p[2] for p in batch], max_new_tokens, eos)
+            for (sid, text, _), ans in zip(batch, answers):
+                reply = tok.decode([t for t in ans if t not in eos], skip_special_tokens=True).strip()
+                item = {"id": sid, "conversations": [{"from": "human", "value": text},
+                                                     {"from": "gpt", "value": reply}]}
+                f.write(json.dumps(item) + "\n")
+                done[sid] = item
+                new_tokens += len(ans)
+            f.flush()
+            dt = time.perf_counter() - t0
+            print(f"regenerate: {len(done)}/{len(prompts)} prompts, {new_tokens / dt:.0f} new tok/s", flush=True)
+    items = [done[p[0]] for p in prompts if p[0] in done]
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(items))
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.train.regenerate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--out", type=Path, required=True, help="ShareGPT-style JSON file to write")
+    p.add_argument("--max-prompts", type=int, default=1500)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    prompts = first_turn_prompts(target.tokenizer(), args.max_prompts, args.max_prompt_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Evaluation workloads and the acceptance report (python -m eagle_trt.evaluate)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_trt import evaluate, workloads
+from eagle_trt.config import ConfigError
+
+
+def test_depth_rates_by_hand():
+    # accept lengths include the bonus token: drafts accepted = 0, 1, 3, 3, 5
+    absolute, conditional = evaluate.depth_rates([1, 2, 4, 4, 6], depth=5)
+    assert absolute == [4 / 5, 3 / 5, 3 / 5, 1 / 5, 1 / 5]
+    assert conditional == [4 / 5, 3 / 4, 1.0, 1 / 3, 1.0]
+
+
+def test_parse_drafters_rejects_bad_specs():
+    assert evaluate.parse_drafters(["a=/x", "b=/y"]) == [("a", evaluate.Path("/x")), ("b", evaluate.Path("/y"))]
+    for bad in (["nopath"], ["=x"], ["a="], ["a=/x", "a=/y"]):
+        with pytest.raises(ConfigError):
+            evaluate.parse_drafters(bad)
+
+
+def test_workloads_render_as_described(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    text = {name: tok.decode(workloads.build(tok, name, 1)[0]) for name in workloads.WORKLOADS}
+    assert "You are a helpful AI assistant" in text["mtbench"]
+    assert workloads.CUSTOM_SYSTEM in text["system-custom"] and "helpful AI assistant" not in text["system-custom"]
+    assert "system" not in text["system-none"] and text["system-none"].startswith("<|im_start|>user\n")
+    assert "<|im_start|>" not in text["plain"] and text["plain"].startswith("Question: ")
+    for name, length in workloads.LONG_LENGTHS.items():
+        ids = workloads.build(tok, name, 2)
+        assert len(ids) == 2 and ids[0] != ids[1]
+        assert all(length < len(p) < length + 120 for p in ids), [len(p) for p in ids]
+        assert text[name].rstrip().endswith("<|im_start|>assistant")
+    with pytest.raises(ConfigError, match="unknown workload"):
+        workloads.build(tok, "nope", 1)
+
+
+@pytest.mark.slow
+def test_evaluate_cli_reports_same_tokens_for_two_copies_of_a_drafter(smollm2, tmp_path, capsys):
+    from eagle_trt.checkpoints import random_drafter, save_drafter
+    path = save_drafter(random_drafter(smollm2, "eagle3.1", draft_vocab_size=2048), tmp_path / "d")
+    rc = evaluate.main(["--drafter", f"a={path}", "--drafter", f"b={path}", "--workloads", "mtbench,plain",
+                        "--prompts", "2", "--max-new-tokens", "8", "--depth", "3", "--tree-top-k", "2",
+                        "--total-tokens", "4", "--threads", "1", "--quiet", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["identical_across_drafters"] == {"mtbench": True, "plain": True}
+    rows = report["results"]
+    assert len(rows) == 4 and all(r["new_tokens"] == 16 for r in rows)
+    assert all(1.0 <= r["mean_accept_length"] <= 4.0 for r in rows)
+    assert "identical tokens across drafters" in capsys.readouterr().out
