@@ -53,3 +53,41 @@ def test_evaluate_cli_reports_same_tokens_for_two_copies_of_a_drafter(smollm2, t
     assert len(rows) == 4 and all(r["new_tokens"] == 16 for r in rows)
     assert all(1.0 <= r["mean_accept_length"] <= 4.0 for r in rows)
     assert "identical tokens across drafters" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path):
+    """Shares are probabilities that add up with the rest of the context to 1; EAGLE 3.1's fed-back
+    state is norm(h2), so its norm is that of an RMS-normed vector times the norm weight, while
+    EAGLE-3 feeds back h2 itself; the CLI writes the JSON and the PNG."""
+    import torch
+
+    from eagle_trt import diagnose
+    from eagle_trt.checkpoints import random_drafter, save_drafter
+    from eagle_trt.models.target import causal_mask
+    d31 = random_drafter(smollm2, "eagle3.1", seed=0, draft_vocab_size=2048)
+    seq = workloads.build(smollm2.tokenizer(), "mtbench", 1)[0][:40]
+    assert len(seq) == 40
+    smollm2.model.set_capture(d31.cfg.capture_for(smollm2.config))
+    with torch.inference_mode():
+        pk, pv = smollm2.model.empty_past(1)
+        captured = smollm2.model(torch.tensor([seq]), torch.arange(40)[None], causal_mask(40, 0), pk, pv).captured[0]
+        stats = diagnose.chain_stats(d31, captured, seq, [20, 30], depth=4, sinks=4)
+        # the same chain by hand: the norm of EAGLE 3.1's feedback is that of norm(h2)
+        hidden = d31.project(captured[None, :39])
+        first = d31(hidden[:, :21], torch.tensor([seq[1:22]]), torch.arange(21)[None], causal_mask(21, 0),
+                    *d31.empty_past(1))
+    assert stats["state_norm"][0][1] == pytest.approx(float(first.feedback[0, 20].norm()), rel=1e-4)
+    for rows in zip(stats["sink_share"], stats["draft_share"]):
+        for sink, draft in zip(*rows):
+            assert 0.0 <= sink <= 1.0 and 0.0 <= draft <= 1.0 and sink + draft <= 1.0 + 1e-6
+    assert all(row[0] == 0.0 and row[1] > 0.0 for row in stats["draft_share"])
+    assert d31.midlayer.self_attn.record_probs is False     # recording is switched off again
+
+    path = save_drafter(random_drafter(smollm2, "eagle3", seed=1, draft_vocab_size=2048), tmp_path / "e3")
+    rc = diagnose.main(["--drafter", f"e3={path}", "--workloads", "plain", "--prompts", "1", "--continuation", "8",
+                        "--cuts", "2", "--depth", "3", "--threads", "1", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "diagnose.json").read_text())
+    assert set(report["drafters"]["e3"]["plain"]) == set(diagnose.METRICS)
+    assert (tmp_path / "out" / "diagnose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

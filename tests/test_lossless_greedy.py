@@ -1,15 +1,16 @@
 """Greedy speculative decoding is token-identical to the target's own greedy output.
 
 The reference is transformers' `generate` on the same SmolLM2 weights, not our own code.
-The EAGLE-3 and EAGLE 3.1 drafters are untrained (no trained SmolLM2 drafter ships yet), so
-on their own they are almost never accepted; `PlantedDrafter` overwrites one path of each
-real draft tree with the reference continuation up to a random depth, so that multi-token
-acceptance, sibling order and KV compaction all run. An unplanted run is checked as well."""
+Two kinds of drafters: the shipped trained EAGLE 3.1 and EAGLE-3 drafters as they are, and
+untrained drafters wrapped in `PlantedDrafter`, which overwrites one path of each real draft
+tree with the reference continuation up to a random depth, so that deep acceptance, sibling
+order and KV compaction run on every prompt whatever the drafter's quality."""
 from __future__ import annotations
 
 import pytest
 
-from eagle_trt.checkpoints import random_drafter
+from eagle_trt.api import SHIPPED_DRAFTERS
+from eagle_trt.checkpoints import load_drafter, random_drafter
 from eagle_trt.config import TreeShape
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
@@ -38,3 +39,19 @@ def test_unplanted_drafter_and_autoregressive_equal_transformers(smollm2, mtbenc
         assert dec.generate(ids, NEW_TOKENS).tokens == ref
         assert generate_autoregressive(TorchTarget(smollm2.model), ids, NEW_TOKENS,
                                        smollm2.config.eos_token_ids).tokens == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_shipped_drafters_are_lossless(smollm2, mtbench_ids, hf_greedy, variant):
+    drafter = load_drafter(SHIPPED_DRAFTERS / f"smollm2-{variant}", smollm2)
+    assert drafter.cfg.variant == variant
+    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
+    dec = SpeculativeDecoder(TorchTarget(smollm2.model), TorchDrafter(drafter, TreeShape(5, 4, 16)),
+                             smollm2.config.eos_token_ids)
+    accepted = []
+    for i, (ids, ref) in enumerate(zip(mtbench_ids, hf_greedy)):
+        res = dec.generate(ids, NEW_TOKENS)
+        assert res.tokens == ref, f"prompt {i}: speculative output with the shipped {variant} drafter diverges"
+        accepted += res.accept_lengths
+    assert sum(accepted) / len(accepted) > 1.5, "the shipped drafter is barely accepted: is it trained?"

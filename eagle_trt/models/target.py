@@ -77,6 +77,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=False)
+        self.record_probs, self.last_probs = False, None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -95,6 +96,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
         scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        if self.record_probs:          # diagnostics only (eagle_trt.diagnose); never set when exporting
+            self.last_probs = probs.detach()
         out = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(out), k, v
 

@@ -94,7 +94,9 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
 
 
 def regenerate(target, prompts: list[tuple[str, str, list[int]]], out: Path, max_new_tokens: int,
-               batch_size: int) -> Path:
+               batch_size: int, answered_only: bool = False) -> Path:
+    """Answer `prompts` (resuming from OUT.partial.jsonl) and write OUT. answered_only: write
+    OUT from the answers so far without generating more (to cut a long run short)."""
     tok = target.tokenizer()
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
     partial = out.with_name(out.name + ".partial.jsonl")
@@ -106,7 +108,7 @@ def regenerate(target, prompts: list[tuple[str, str, list[int]]], out: Path, max
             except json.JSONDecodeError:
                 break                       # a line cut by an interruption: regenerate from here
             done[item["id"]] = item
-    todo = sorted((p for p in prompts if p[0] not in done), key=lambda p: len(p[2]))
+    todo = [] if answered_only else sorted((p for p in prompts if p[0] not in done), key=lambda p: len(p[2]))
     print(f"regenerate: {len(done)} answered before, {len(todo)} to go, batch {batch_size}, "
           f"max {max_new_tokens} new tokens", flush=True)
     t0, new_tokens = time.perf_counter(), 0
@@ -141,13 +143,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--answered-only", action="store_true",
+                   help="write OUT from the answers already in OUT.partial.jsonl and stop")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target)
     prompts = first_turn_prompts(target.tokenizer(), args.max_prompts, args.max_prompt_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size)}")
+    print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size, args.answered_only)}")
     return 0
 
 
