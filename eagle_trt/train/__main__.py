@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="'smollm2', a Hugging Face folder or a .gguf file")
     p.add_argument("--variant", choices=("eagle3.1", "eagle3"), default="eagle3.1")
-    p.add_argument("--out", required=True, type=Path, help="run folder: train_state.pt, train_log.json, drafter/")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run folder: train_state.pt, train_log.json, drafter/ (not needed with --features-only)")
     p.add_argument("--features-dir", type=Path, default=None, help="target feature cache (shared between runs)")
     p.add_argument("--extra-features-dir", type=Path, action="append", default=[],
                    help="another complete feature cache to train on as well (repeatable), e.g. one filled "
@@ -64,7 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--features-only", action="store_true", help="compute the feature cache and stop")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out is None and not args.features_only:
+        p.error("--out is required unless --features-only is given")
+    return args
 
 
 def features_complete(folder: Path, data: dict) -> bool:
