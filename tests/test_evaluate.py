@@ -30,6 +30,7 @@ def test_workloads_render_as_described(smollm2_tokenizer):
     assert workloads.CUSTOM_SYSTEM in text["system-custom"] and "helpful AI assistant" not in text["system-custom"]
     assert "system" not in text["system-none"] and text["system-none"].startswith("<|im_start|>user\n")
     assert "<|im_start|>" not in text["plain"] and text["plain"].startswith("Question: ")
+    assert "def has_close_elements(" in text["humaneval"] and "Complete the following Python" in text["humaneval"]
     for name, length in workloads.LONG_LENGTHS.items():
         ids = workloads.build(tok, name, 2)
         assert len(ids) == 2 and ids[0] != ids[1]
