@@ -1,0 +1,201 @@
+"""python -m eagle_trt.bench: speculative vs autoregressive decoding on the compiled graphs, and
+`transformers` generate as the baseline a user would otherwise pick, measured in one run.
+
+    python -m eagle_trt.bench --workloads mtbench,humaneval,long-2k --prompts 20 --out bench/
+
+Per workload, all at temperature 0 on the same prompts and the same machine:
+- `transformers`: LlamaForCausalLM.generate (greedy, KV cache) on the same weights (PyTorch);
+- `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
+- `speculative`: the drafter-tree graph plus one target-graph verification per iteration.
+Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
+decoding (drafter graph, target graph, host work outside graph calls), peak RSS, and whether
+the outputs of the three were identical. Prints a table, writes bench.json and two PNG plots."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .api import prepare_models
+from .checkpoints import CheckpointError, cache_dir
+from .config import ConfigError, TreeShape
+from .evaluate import depth_rates
+from .export import export_pipeline
+from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from .workloads import build
+
+MODES = ("transformers", "autoregressive", "speculative")
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux: KiB
+
+
+class HFBaseline:
+    """transformers' own model and generate() on the target folder: the baseline to beat."""
+
+    def __init__(self, folder: Path):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
+        start = time.perf_counter()
+        out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                                  pad_token_id=sorted(eos)[0])
+        seconds = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+        return (tokens if cut is None else tokens[: cut + 1]), seconds
+
+
+def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, target: OrtTarget, drafter: OrtDrafter,
+                 decoder: SpeculativeDecoder, eos: set[int], max_new_tokens: int, depth: int) -> dict:
+    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES}
+    split = {"drafter_graph": 0.0, "target_graph": 0.0}
+    accepts, identical = [], 0
+    for i, ids in enumerate(prompts):
+        hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
+        rows["transformers"]["tokens"] += len(hf_tokens)
+        rows["transformers"]["seconds"] += hf_s
+        ar = generate_autoregressive(target, ids, max_new_tokens, eos)
+        rows["autoregressive"]["tokens"] += len(ar.tokens)
+        rows["autoregressive"]["seconds"] += ar.seconds
+        t0, d0 = target.graph_seconds, drafter.graph_seconds
+        sp = decoder.generate(ids, max_new_tokens)
+        split["target_graph"] += target.graph_seconds - t0
+        split["drafter_graph"] += drafter.graph_seconds - d0
+        rows["speculative"]["tokens"] += len(sp.tokens)
+        rows["speculative"]["seconds"] += sp.seconds
+        accepts += sp.accept_lengths
+        identical += sp.tokens == ar.tokens == hf_tokens
+        print(f"  {name} {i + 1}/{len(prompts)}: accept {sp.mean_accept_length:.2f}; tok/s transformers "
+              f"{len(hf_tokens) / hf_s:.1f}, autoregressive {len(ar.tokens) / ar.seconds:.1f}, speculative "
+              f"{len(sp.tokens) / sp.seconds:.1f}", file=sys.stderr, flush=True)
+    for r in rows.values():
+        r["tokens_per_second"] = r["tokens"] / r["seconds"]
+    spec_s = rows["speculative"]["seconds"]
+    absolute, conditional = depth_rates(accepts, depth)
+    return {"workload": name, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "modes": rows, "mean_accept_length": sum(accepts) / max(len(accepts), 1),
+            "accepted_at_least": absolute, "conditional": conditional,
+            "speedup_vs_autoregressive": rows["speculative"]["tokens_per_second"] / rows["autoregressive"]["tokens_per_second"],
+            "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
+            "time_split": {"drafter_graph": split["drafter_graph"] / spec_s, "target_graph": split["target_graph"] / spec_s,
+                           "host": 1 - (split["drafter_graph"] + split["target_graph"]) / spec_s},
+            "identical_outputs": identical, "peak_rss_gb": peak_rss_gb()}
+
+
+def format_table(results: list[dict]) -> str:
+    head = (f"{'workload':<10}{'ctx':>6}{'HF tok/s':>10}{'AR tok/s':>10}{'spec tok/s':>11}{'accept':>8}"
+            f"{'vs AR':>7}{'vs HF':>7}{'drafter':>9}{'target':>8}{'host':>7}{'same':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        m, s = r["modes"], r["time_split"]
+        lines.append(f"{r['workload']:<10}{r['prompt_tokens']:>6.0f}{m['transformers']['tokens_per_second']:>10.1f}"
+                     f"{m['autoregressive']['tokens_per_second']:>10.1f}{m['speculative']['tokens_per_second']:>11.1f}"
+                     f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
+                     f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
+                     f"{s['host']:>7.1%}{r['identical_outputs']:>4}/{r['prompts']:<2}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = report["results"]
+    names = [r["workload"] for r in results]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r["speedup_vs_autoregressive"] for r in results], 0.4, label="vs autoregressive (same graphs)")
+    ax.bar([i + 0.2 for i in x], [r["speedup_vs_transformers"] for r in results], 0.4, label="vs transformers generate")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("speculative speed-up")
+    ax.set_title(f"{report['drafter_variant']} drafter, tree {tuple(report['tree'])}, {report['backend']}")
+    ax.legend()
+    fig.tight_layout()
+    paths = [out / "speedup.png", out / "acceptance_per_depth.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        ax.plot(range(1, len(r["accepted_at_least"]) + 1), r["accepted_at_least"], marker="o", label=r["workload"])
+    ax.set_xlabel("draft depth d")
+    ax.set_ylabel("share of verifications accepting >= d drafts")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one for smollm2)")
+    p.add_argument("--onnx-dir", type=Path, default=None, help="graphs folder (exported there if missing)")
+    p.add_argument("--workloads", default="mtbench,humaneval,long-2k")
+    p.add_argument("--prompts", type=int, default=20, help="prompts per workload (long context: at most 3)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="4,4,12", help="depth,top_k,total_tokens of the draft tree")
+    p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
+    p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
+    args = p.parse_args(argv)
+    try:
+        parts = [int(x) for x in args.tree.split(",")]
+        if len(parts) != 3:
+            raise ConfigError(f"--tree {args.tree!r}: expected depth,top_k,total_tokens")
+        shape = TreeShape(*parts).validate()
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        models = prepare_models(args.target, args.drafter, log=sys.stderr)
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
+                   for w in names}
+    except (ConfigError, CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
+    graphs = export_pipeline(models, shape, folder, log=sys.stderr)
+    threads = args.threads or None
+    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, threads)
+    drafter = OrtDrafter(graphs["drafter_tree"], shape, threads)
+    eos = models.eos_ids
+    decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
+    hf = HFBaseline(models.target.folder)
+    warm = prompts[names[0]][0]                      # first-call allocations stay out of the numbers
+    decoder.generate(warm, 8), generate_autoregressive(target, warm, 8, eos), hf.generate(warm, 8, eos)
+    results = [run_workload(w, prompts[w], hf, target, drafter, decoder, eos, args.max_new_tokens, shape.depth)
+               for w in names]
+    report = {"target": str(models.target.folder), "drafter": models.drafter_source,
+              "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
+              "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
+              "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "results": results}
+    print(f"\n{report['drafter_variant']} drafter, tree {tuple(report['tree'])}, {args.max_new_tokens} new tokens, "
+          f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
+    print(format_table(results))
+    print(f"peak RSS {peak_rss_gb():.2f} GB")
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / "bench.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, args.out / "bench.json")
+    for path in plot(report, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
