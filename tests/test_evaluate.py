@@ -92,3 +92,22 @@ def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path
     report = json.loads((tmp_path / "out" / "diagnose.json").read_text())
     assert set(report["drafters"]["e3"]["plain"]) == set(diagnose.METRICS)
     assert (tmp_path / "out" / "diagnose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path, capsys):
+    from eagle_trt import bench
+    from eagle_trt.checkpoints import random_drafter, save_drafter
+    path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
+    rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
+                     "--tree", "2,2,3", "--threads", "1", "--onnx-dir", str(tmp_path / "onnx"),
+                     "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    (row,) = report["results"]
+    assert row["identical_outputs"] == 2                    # transformers, autoregressive and speculative agree
+    assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0 for m in bench.MODES)
+    assert 0 < row["time_split"]["host"] < 1 and len(row["accepted_at_least"]) == 2
+    for name in ("speedup.png", "acceptance_per_depth.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
+    assert "vs AR" in capsys.readouterr().out
