@@ -14,11 +14,15 @@ $(STAMP): pyproject.toml requirements.txt requirements-nodeps.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	# numpy 1.x for the bundled Triton 2.51 Python-backend stub (built against it), kept apart.
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-stub-numpy numpy==1.26.4
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# The whole default build (graphs, parity bundles, Triton repository; engines where TensorRT is),
+# then speculative vs autoregressive decoding on the built graphs and one streamed Triton request.
 demo: setup
-	$(PY) scripts/demo.py
+	$(PY) -m eagle_trt.build.demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ class GenerationResult:
     drafter_calls: int = 0
     seconds: float = 0.0
     prompt_tokens: int = 0
-    stop_reason: str = ""                  # "eos" or "max_new_tokens"
+    stop_reason: str = ""                  # "eos", "max_new_tokens" or "cancelled" (on_tokens said stop)
 
     @property
     def mean_accept_length(self) -> float:
@@ -60,8 +61,9 @@ class SpeculativeDecoder:
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingConfig | None = None) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+        """on_tokens(ids) streams the tokens as they become final; returning False stops early."""
         sampling = (sampling or SamplingConfig()).validate()
         check_request(prompt_ids, max_new_tokens, self.target.max_context, self.vocab_size)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
@@ -79,8 +81,13 @@ class SpeculativeDecoder:
         # The drafter pairs the target state of token t with the id of token t + 1.
         pending_states, pending_ids = captured, torch.tensor(prompt_ids[1:] + out, dtype=torch.int64)
 
+        emitted = 0
         while True:
             out, stop = _finish(out, max_new_tokens, self.eos_ids)
+            if on_tokens is not None and len(out) > emitted:
+                if on_tokens(out[emitted:]) is False:
+                    stop = stop or "cancelled"
+                emitted = len(out)
             if stop:
                 break
             tree = self.drafter.draft(pending_states, pending_ids)

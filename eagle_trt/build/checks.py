@@ -1,0 +1,113 @@
+"""The parity stage: every exported graph against its PyTorch model (eagle_trt.parity, through
+Polygraphy's ONNX Runtime runner), parity bundles for TensorRT-side checks, and for quantized
+graphs a layer-by-layer check against the fake-quant reference (eagle_trt.quant) plus bundles
+whose reference outputs come from that fake-quant model.
+
+    polygraphy run onnx/target.onnx --trt --load-inputs parity/bundles/target.inputs.json \\
+        --load-outputs parity/bundles/target.reference.json --atol 1e-3 --rtol 1e-3
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .store import Progress
+
+# Worst relative L2 error of any quantized MatMul against QuantLinear on the same input: a wrong
+# scale, axis or packing gives >1e-2; float-order noise stays near 1e-6 (fp32) / 1e-3 (fp16).
+QUANT_LAYER_TOL = {"float32": 1e-4, "float16": 5e-3}
+TORCH = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _in_dtype(module, dtype: str):
+    want = TORCH[dtype]
+    param = next(module.parameters())
+    return module if param.dtype == want else copy.deepcopy(module).to(want)
+
+
+def run_parity_stage(b, out: Path) -> dict:
+    """b: the Build (config, models, stage paths). Writes report.json and bundles/ into out."""
+    from ..api import real_prompt_ids
+    from ..parity import (
+        check_case,
+        drafter_cases,
+        format_report,
+        report_json,
+        target_case,
+    )
+    cfg, models = b.cfg, b.models
+    shape = cfg.tree.shape
+    tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
+    graphs = {"target": b.path("export", "target.onnx"), "drafter_tree": b.path("export", "drafter_tree.onnx")}
+    if cfg.outputs.step_graphs:
+        graphs.update({g: b.path("export", f"{g}.onnx") for g in ("drafter_step_first", "drafter_step")})
+    quantized = [m for m in ("target", "drafter") if getattr(cfg.precision, m).quantized]
+    progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized), b.log)
+
+    prompts = real_prompt_ids(models, cfg.parity.prompts)
+    target = _in_dtype(models.target.model, tdt)
+    drafter = _in_dtype(models.drafter, ddt)
+    tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt))
+    progress.step("target reference")
+    real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
+    cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
+    reports = []
+    for case in cases:
+        with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros
+            reports.append(check_case(case, out / "bundles"))
+        progress.step(f"{case.name}: {'ok' if reports[-1].passed else 'FAIL'}")
+    data = report_json(reports)
+    if b.log is not None:
+        print(format_report(reports), file=b.log)
+    failed = [r.name for r in reports if not r.passed]
+
+    data["quantized"] = {}
+    for model in quantized:
+        entry = _quantized_parity(b, model, tcase if model == "target" else cases[1], out / "bundles", progress)
+        data["quantized"][model] = entry
+        if not entry["passed"]:
+            failed.append(f"{entry['graph']} (layer rel L2 {entry['worst_rel_l2']:.2e} > {entry['tolerance']:.0e})")
+    data["passed"] = not failed
+    data["failed"] = failed
+    data["bundles"] = sorted(p.name for p in (out / "bundles").iterdir())
+    (out / "report.json").write_text(json.dumps(data, indent=2, default=float))
+    data["worst"] = {f"{g['name']}.{o['output']}": o["max_abs"] for g in data["graphs"] for o in g["outputs"]
+                     if o["output"] in ("logits", "tree_scores", "tree_tokens")}
+    return data
+
+
+def _quantized_parity(b, model: str, float_case, bundle_dir: Path, progress: Progress) -> dict:
+    """Each quantized MatMul vs QuantLinear on the graph's own input (quant.check.layer_parity),
+    and a bundle of the float case's feeds with the fake-quant model's outputs as reference."""
+    from polygraphy.comparator import IterationResult, RunResults
+
+    from ..export.graphs import DraftTreeGraph, TargetGraph
+    from ..parity import GraphCase, _run, write_bundle
+    from ..quant import QuantConfig, layer_parity, load_calibration, quantized_copy
+    p = getattr(b.cfg.precision, model)
+    graph_name = "target" if model == "target" else "drafter_tree"
+    graph = b.path("quantize", f"{graph_name}.{p.format}.onnx")
+    amax = load_calibration(b.path("quantize", f"{model}.amax.json"))
+    module = _in_dtype(b.models.target.model if model == "target" else b.models.drafter, p.dtype)
+    qcfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
+    reference, _ = quantized_copy(module, qcfg, amax, source=str(b.path("quantize", f"{model}.amax.json")))
+    feed = float_case.feeds[min(1, len(float_case.feeds) - 1)]   # a real prompt where there is one
+    layers = layer_parity(str(graph), reference, feed)
+    worst = max(layers, key=lambda r: r.rel_l2)
+    progress.step(f"{graph.name}: {len(layers)} quantized MatMuls, worst rel L2 {worst.rel_l2:.2e}")
+
+    wrapper = TargetGraph(reference) if model == "target" else DraftTreeGraph(reference, b.cfg.tree.shape)
+    names = list(float_case.reference[0])
+    case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels,
+                     [_run(wrapper.eval(), f, names) for f in float_case.feeds])
+    write_bundle(case, RunResults([("pytorch-fakequant", [IterationResult(outputs=r, runner_name="pytorch-fakequant")
+                                                          for r in case.reference])]), bundle_dir)
+    progress.step(f"{case.name} bundle")
+    tol = QUANT_LAYER_TOL[p.dtype]
+    return {"graph": graph.name, "format": p.format, "layers": len(layers), "worst_rel_l2": worst.rel_l2,
+            "worst_module": worst.module, "tolerance": tol, "passed": worst.rel_l2 <= tol}
+

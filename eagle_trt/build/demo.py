@@ -1,0 +1,125 @@
+"""`make demo`: build the embedded default (SmolLM2-135M-Instruct + its EAGLE 3.1 drafter), then
+generate with the built graphs and measure speculative against autoregressive decoding on the
+same backend (ONNX Runtime), in the same run; finally stream one request through the built
+Triton repository when the bundled server (nvidia-pytriton) is installed.
+
+    python -m eagle_trt.build.demo [--output DIR] [--max-new-tokens N] [--no-serve]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about autumn leaves.",
+]
+
+
+def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object]:
+    """Speculative vs autoregressive on the built graphs; prints per-prompt lines and the speed-up."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from ..api import encode_prompt
+    from ..runtime.decoder import SpeculativeDecoder, generate_autoregressive
+    from ..runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    resolved = json.loads(manifest.artifact("validate/resolved.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
+    target = OrtTarget(manifest.artifact("export/target.onnx"), resolved["target"]["max_context"])
+    drafter = OrtDrafter(manifest.artifact("export/drafter_tree.onnx"), cfg.tree.shape)
+    eos = set(resolved["target"]["eos_ids"]) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    decoder = SpeculativeDecoder(target, drafter, eos, resolved["target"]["vocab_size"])
+    spec_n = ar_n = 0
+    spec_s = ar_s = 0.0
+    identical, first = True, []
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt, chat=True)
+        spec = decoder.generate(ids, max_new_tokens)
+        ar = generate_autoregressive(target, ids, max_new_tokens, eos)
+        same = spec.tokens == ar.tokens
+        identical &= same
+        first = first or spec.tokens
+        spec_n, spec_s = spec_n + len(spec.tokens), spec_s + spec.seconds
+        ar_n, ar_s = ar_n + len(ar.tokens), ar_s + ar.seconds
+        print(f"> {prompt}\n{tokenizer.decode(spec.tokens, skip_special_tokens=True)}\n"
+              f"  [{len(spec.tokens)} tokens, mean accept length {spec.mean_accept_length:.2f}, "
+              f"{spec.seconds:.2f}s speculative vs {ar.seconds:.2f}s autoregressive, identical: {same}]\n")
+    sps, aps = spec_n / spec_s, ar_n / ar_s
+    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}); tree depth {cfg.tree.depth}, "
+          f"top_k {cfg.tree.top_k}, total_tokens {cfg.tree.total_tokens}")
+    print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run): "
+          f"speed-up {sps / aps:.2f}x")
+    print(f"all outputs token-identical to autoregressive greedy decoding: {identical}")
+    return identical, first, tokenizer
+
+
+def served(manifest, cfg, max_new_tokens: int, expected: list[int]) -> bool:
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from .local_triton import LocalTriton
+    start = time.perf_counter()
+    with LocalTriton(manifest.artifact("triton")) as server:
+        print(f"\nTriton {server.grpc_url} ready in {time.perf_counter() - start:.1f}s; streaming one request:")
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([PROMPTS[0].encode()], dtype=np.object_))
+        limit = grpcclient.InferInput("max_tokens", [1], "INT32")
+        limit.set_data_from_numpy(np.array([max_new_tokens], dtype=np.int32))
+        client.async_stream_infer(cfg.serving.model_name, [text, limit], enable_empty_final_response=True)
+        tokens = []
+        while True:
+            result, error = results.get(timeout=300)
+            if error is not None:
+                raise RuntimeError(f"Triton: {error}")
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            tokens += result.as_numpy("token_ids").tolist()
+            print(result.as_numpy("text_output")[0].decode(), end="", flush=True)
+        client.stop_stream()
+    same = tokens == expected
+    print(f"\n[{len(tokens)} streamed tokens, identical to the offline run: {same}]")
+    return same
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.build.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--output", default=None, help="build output folder (default: artifacts/<config name>)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-serve", action="store_true", help="skip the Triton request")
+    args = p.parse_args(argv)
+    from ..config import ConfigError
+    from . import build, load_config
+    try:
+        cfg = load_config(None)
+        manifest = build(cfg, args.output)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print()
+    identical, first, _ = offline(manifest, cfg, args.max_new_tokens)
+    ok = identical
+    if not args.no_serve:
+        import importlib.util
+        if importlib.util.find_spec("pytriton") and importlib.util.find_spec("tritonclient"):
+            ok &= served(manifest, cfg, args.max_new_tokens, first)
+        else:
+            print("\n(nvidia-pytriton / tritonclient not installed: no Triton request)")
+    out = Path(manifest.output)
+    print(f"\nartifacts: {out}\n  manifest  {out / 'manifest.json'}\n  graphs    {out / 'export'}\n"
+          f"  parity    {out / 'parity'} (report.json, Polygraphy bundles)\n  triton    {out / 'triton'} "
+          f"(serve: python -m eagle_trt.build.local_triton --repository {out / 'triton'})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The quantize stage's one call into eagle_trt.quant: calibrate each quantized model on
+ShareGPT validation prompts, then rewrite its float graph into Q/DQ form.
+
+Calibration files (`<model>.amax.json`) are written beside the graphs so that the parity
+stage can rebuild the exact fake-quant reference (QuantLinear with the same amax)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import BuildConfig, ModelPrecision
+from .store import Progress
+
+
+def quant_config(p: ModelPrecision, source: str):
+    from ..quant import QuantConfig
+    return QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip), source=source)
+
+
+def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log=None) -> dict:
+    """Write `<model>.<format>.onnx` and `<model>.amax.json` into `out` for each model whose
+    precision is fp8 / nvfp4; returns {model: summary}. `graphs` maps 'target' /
+    'drafter_tree' to the float graphs of the export stage."""
+    from ..quant import (
+        calibrate_drafter,
+        calibrate_target,
+        calibration_prompts,
+        linear_paths,
+        quantize_onnx,
+        save_calibration,
+    )
+    todo = [(name, graph) for name, graph in (("target", "target"), ("drafter", "drafter_tree"))
+            if getattr(cfg.precision, name).quantized]
+    progress = Progress("quantize", 2 * len(todo), log)
+    prompts = calibration_prompts(models.tokenizer, cfg.calibration.prompts, cfg.calibration.max_tokens,
+                                  Path(cfg.calibration.path) if cfg.calibration.path else None)
+    ids = [p for _, p in prompts]
+    summaries = {}
+    for name, graph in todo:
+        precision = getattr(cfg.precision, name)
+        if name == "target":
+            module = models.target.model
+            amax = calibrate_target(module, ids)
+        else:
+            module = models.drafter
+            amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape)
+        calib = save_calibration(out / f"{name}.amax.json", amax)
+        progress.step(f"calibrated {name} on {len(ids)} prompts")
+        dst = out / f"{graph}.{precision.format}.onnx"
+        summary = quantize_onnx(graphs[graph], dst, quant_config(precision, f"{cfg.source}: precision.{name}"),
+                                amax, linear_paths(module), source=str(calib))
+        progress.step(f"{dst.name}: {len(summary.quantized)} MatMuls quantized, {len(summary.skipped)} kept")
+        summaries[name] = {"graph": dst.name, "calibration": calib.name, "format": precision.format,
+                           "prompts": len(ids), "quantized": len(summary.quantized),
+                           "skipped": sorted(set(summary.skipped.values()))}
+    return summaries
+
+
+__all__ = ["quant_config", "quantize_graphs"]

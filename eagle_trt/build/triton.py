@@ -1,0 +1,136 @@
+"""The Triton model repository: one decoupled Python-backend model running the speculative
+loop (model.py from triton_model.py), plus tensorrt_plan models for the target and drafter
+engines where the engines stage built them.
+
+    <repo>/<name>/config.pbtxt              backend "python", decoupled, inputs optional where they may be
+    <repo>/<name>/1/model.py, eagle.json    the loop and its settings
+    <repo>/<name>/1/graphs/*.onnx           graphs for the in-process ONNX Runtime path
+    <repo>/<name>/1/tokenizer/              the target's tokenizer
+    <repo>/<name>_target/{config.pbtxt,1/model.plan}, <name>_drafter/...   (with engines only)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .config import BuildConfig
+from .engines import input_dims
+from .store import Progress
+
+TEMPLATE = Path(__file__).with_name("triton_model.py")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json",
+                   "generation_config.json")
+ONNX_TYPES = {1: "TYPE_FP32", 10: "TYPE_FP16", 7: "TYPE_INT64", 9: "TYPE_BOOL", 6: "TYPE_INT32"}
+
+REQUEST_INPUTS = [  # name, Triton type, dims
+    ("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
+    ("temperature", "TYPE_FP32", [1]), ("top_p", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]),
+    ("seed", "TYPE_INT64", [1])]
+RESPONSE_OUTPUTS = [("text_output", "TYPE_STRING", [1]), ("token_ids", "TYPE_INT64", [-1])]
+
+
+def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
+    opt = "\n    optional: true" if optional else ""
+    return f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: [ {", ".join(map(str, dims))} ]{opt}\n  }}'
+
+
+def python_model_config(name: str, instances: int = 1) -> str:
+    inputs = ",\n".join(_tensor(n, t, d, optional=True) for n, t, d in REQUEST_INPUTS)
+    outputs = ",\n".join(_tensor(n, t, d) for n, t, d in RESPONSE_OUTPUTS)
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            f"model_transaction_policy {{\n  decoupled: true\n}}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [\n  {{\n    count: {instances}\n    kind: KIND_CPU\n  }}\n]\n")
+
+
+def _graph_io(path: Path) -> tuple[list, list]:
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+
+    def rows(values):
+        return [(v.name, ONNX_TYPES[v.type.tensor_type.elem_type],
+                 [d.dim_value if d.dim_value else -1 for d in v.type.tensor_type.shape.dim]) for v in values]
+    return rows([i for i in model.graph.input if i.name not in inits]), rows(model.graph.output)
+
+
+def plan_model_config(name: str, graph: Path, profiles: list[int]) -> str:
+    """tensorrt_plan model: I/O from the graph the plan was built from; every profile available
+    to the instance, so the backend picks the one whose shape ranges fit each request."""
+    inputs, outputs = _graph_io(graph)
+    ins = ",\n".join(_tensor(*r) for r in inputs)
+    outs = ",\n".join(_tensor(*r) for r in outputs)
+    profs = ", ".join(f'"{p}"' for p in profiles)
+    return (f'name: "{name}"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n'
+            f"input [\n{ins}\n]\noutput [\n{outs}\n]\n"
+            f"instance_group [\n  {{\n    count: 1\n    kind: KIND_GPU\n    profile: [ {profs} ]\n  }}\n]\n")
+
+
+def _link(src: Path, dst: Path) -> None:
+    """Hard link where possible (same file system: no second copy of multi-GB weights)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for f in [src] + sorted(src.parent.glob(f"{src.name}.data")) + sorted(src.parent.glob(f"{src.stem}.onnx_data")):
+        target = dst.parent / (dst.name + f.name[len(src.name):]) if f != src else dst
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+
+
+def _kv(graph: Path, layers_key: str) -> dict:
+    import onnx
+    dims = input_dims(graph)
+    model = onnx.load(str(graph), load_external_data=False)
+    elem = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}[layers_key]
+    shape = dims[layers_key]
+    return {"heads": int(shape[2]), "head_dim": int(shape[3]), "dtype": {1: "float32", 10: "float16"}[elem],
+            "layers": sum(1 for n in dims if n.startswith("past_key_")) or 1}
+
+
+def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], levels: dict[str, str],
+                     plans: dict[str, Path] | None, log=None) -> dict:
+    name = cfg.serving.model_name
+    version = out / name / "1"
+    progress = Progress("triton", 4, log)
+    version.mkdir(parents=True)
+    shutil.copy2(TEMPLATE, version / "model.py")
+    (out / name / "config.pbtxt").write_text(python_model_config(name))
+    progress.step("python model")
+
+    tok = version / "tokenizer"
+    tok.mkdir()
+    src = Path(resolved["target"]["folder"])
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    for f in copied:
+        shutil.copy2(src / f, tok / f)
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        raise FileNotFoundError(f"{src}: no tokenizer files (tokenizer.json / tokenizer.model) to serve with")
+    progress.step(f"tokenizer ({len(copied)} files)")
+
+    settings = {"backend": "tensorrt" if plans else "onnxruntime", "tree": [cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens],
+                "max_context": resolved["target"]["max_context"], "vocab_size": resolved["target"]["vocab_size"],
+                "eos_ids": sorted(set(resolved["target"]["eos_ids"])), "chat": cfg.serving.chat,
+                "max_tokens": cfg.serving.max_tokens, "max_concurrent": cfg.serving.max_concurrent,
+                "threads": cfg.serving.threads, "graphs": {}, "levels": levels,
+                "target_kv": _kv(graphs["target"], "past_key_0"), "drafter_kv": _kv(graphs["drafter_tree"], "past_key")}
+    if plans:
+        settings.update(target_model=f"{name}_target", drafter_model=f"{name}_drafter")
+        for graph, model, profiles in (("target", f"{name}_target", [0, 1]), ("drafter_tree", f"{name}_drafter", [0])):
+            (out / model / "1").mkdir(parents=True)
+            _link(plans[graph], out / model / "1" / "model.plan")
+            (out / model / "config.pbtxt").write_text(plan_model_config(model, graphs[graph], profiles))
+    else:
+        for graph, path in graphs.items():
+            _link(path, version / "graphs" / path.name)
+            settings["graphs"][graph] = f"graphs/{path.name}"
+    progress.step("tensorrt_plan models" if plans else "onnx graphs")
+    import json
+    (version / "eagle.json").write_text(json.dumps(settings, indent=2))
+    progress.step("eagle.json")
+    return {"model": name, "backend": settings["backend"], "graphs": {g: p.name for g, p in graphs.items()},
+            "models": sorted(p.name for p in out.iterdir())}
+
+
+__all__ = ["TEMPLATE", "plan_model_config", "python_model_config", "write_repository"]

@@ -1,0 +1,199 @@
+"""A real Triton server (the tritonserver 2.51 binary bundled in nvidia-pytriton, CPU, 127.0.0.1)
+serving the repository that python -m eagle_trt.build writes for SmolLM2, over streaming gRPC:
+streamed tokens equal the offline runtime's (same ONNX graphs, greedy), 8 concurrent streams,
+a client that disconnects mid-stream, and malformed requests that get errors while the server
+keeps serving."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tritonclient.grpc")
+from eagle_trt.build.local_triton import (
+    LocalTriton,
+    TritonUnavailable,
+    bundled_tritonserver,
+)
+
+try:
+    bundled_tritonserver()
+except TritonUnavailable as exc:
+    pytest.skip(str(exc), allow_module_level=True)
+
+import tritonclient.grpc as grpcclient
+
+pytestmark = pytest.mark.slow
+MODEL, NEW_TOKENS = "eagle_trt", 16
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The default config with a small tree, one ORT thread, no parity (tested elsewhere)."""
+    from eagle_trt.build import build, config_from_dict
+    data = {"name": "serving", "tree": {"depth": 3, "top_k": 2, "total_tokens": 4},
+            "engines": {"profiles": {"verify": {"opt_tokens": 5, "max_tokens": 5}}},
+            "parity": {"enabled": False}, "serving": {"threads": 1, "max_tokens": NEW_TOKENS, "max_concurrent": 4}}
+    cfg = config_from_dict(data, "serving test")
+    return cfg, build(cfg, tmp_path_factory.mktemp("serving") / "out", log=None)
+
+
+@pytest.fixture(scope="module")
+def offline(built, mtbench):
+    """Greedy tokens of the offline runtime on the very graphs the repository serves."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eagle_trt.api import encode_prompt
+    from eagle_trt.runtime.decoder import SpeculativeDecoder
+    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    cfg, m = built
+    resolved = json.loads(m.artifact("validate/resolved.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
+    target = OrtTarget(m.artifact("export/target.onnx"), resolved["target"]["max_context"], threads=1)
+    drafter = OrtDrafter(m.artifact("export/drafter_tree.onnx"), cfg.tree.shape, threads=1)
+    decoder = SpeculativeDecoder(target, drafter, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
+    prompts = mtbench[:8]
+    ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
+    return {"prompts": prompts, "ids": ids, "tokens": [decoder.generate(i, NEW_TOKENS).tokens for i in ids],
+            "tokenizer": tokenizer}
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    with LocalTriton(built[1].artifact("triton")) as s:
+        yield s
+
+
+def flat(pieces: list[list[int]]) -> list[int]:
+    return [t for piece in pieces for t in piece]
+
+
+def _input(name, array, dtype):
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def text_request(prompt: str, max_tokens: int | None = NEW_TOKENS) -> list:
+    inputs = [_input("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")]
+    if max_tokens is not None:
+        inputs.append(_input("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"))
+    return inputs
+
+
+class Stream:
+    """One gRPC stream; collect() gathers one request's responses until the final flag or an error."""
+
+    def __init__(self, server: LocalTriton):
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.results: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
+
+    def send(self, inputs, request_id: str = "r") -> None:
+        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
+
+    def collect(self, timeout: float = 120) -> tuple[list[list[int]], list[str], str | None]:
+        ids, texts = [], []
+        while True:
+            result, error = self.results.get(timeout=timeout)
+            if error is not None:
+                return ids, texts, str(error)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return ids, texts, None
+            ids.append(result.as_numpy("token_ids").tolist())
+            texts.append(result.as_numpy("text_output")[0].decode())
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def test_streamed_tokens_equal_the_offline_runtime(server, offline):
+    stream = Stream(server)
+    try:
+        for prompt, expected in list(zip(offline["prompts"], offline["tokens"]))[:2]:
+            stream.send(text_request(prompt))
+            pieces, texts, error = stream.collect()
+            assert error is None
+            assert len(pieces) > 1, "tokens must arrive as a stream, not one final blob"
+            assert flat(pieces) == expected
+            assert "".join(texts) == offline["tokenizer"].decode(expected, skip_special_tokens=True)
+        # The same request by token ids (the chat-rendered prompt) gives the same tokens.
+        stream.send([_input("input_ids", np.array(offline["ids"][0], dtype=np.int64), "INT64")])
+        pieces, _, error = stream.collect()
+        assert error is None and flat(pieces) == offline["tokens"][0]
+    finally:
+        stream.close()
+
+
+def test_eight_concurrent_streams(server, offline):
+    results: dict[int, tuple] = {}
+
+    def one(i: int) -> None:
+        stream = Stream(server)
+        try:
+            stream.send(text_request(offline["prompts"][i]), request_id=str(i))
+            results[i] = stream.collect()
+        finally:
+            stream.close()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == list(range(8))
+    for i, (pieces, _, error) in results.items():
+        assert error is None, f"stream {i}: {error}"
+        assert flat(pieces) == offline["tokens"][i], f"stream {i} differs from the offline runtime"
+
+
+def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offline):
+    stream = Stream(server)
+    stream.send(text_request(offline["prompts"][2], max_tokens=400))
+    got = 0
+    while got < 2:   # a couple of responses, then the client goes away
+        _, error = stream.results.get(timeout=120)
+        assert error is None
+        got += 1
+    stream.close(cancel=True)
+    time.sleep(1.0)
+    assert server.alive()
+    again = Stream(server)
+    try:
+        again.send(text_request(offline["prompts"][0]))
+        pieces, _, error = again.collect()
+        assert error is None and flat(pieces) == offline["tokens"][0]
+    finally:
+        again.close()
+    assert "not healthy" not in server.log and "terminate called" not in server.log
+    assert "eagle_trt: request cancelled by the client after" in server.log, "the abandoned request kept decoding"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (lambda: [_input("max_tokens", np.array([8], dtype=np.int32), "INT32")], "exactly one of text_input"),
+    (lambda: text_request("Hello", max_tokens=-3), "max_tokens must be a positive integer, got -3"),
+    (lambda: text_request("Hello", None) + [_input("max_tokens", np.array([8.0], dtype=np.float32), "FP32")],
+     "max_tokens"),
+    (lambda: text_request("Hello", None) + [_input("temperature", np.array([-1.0], dtype=np.float32), "FP32")],
+     "temperature must be a finite number >= 0"),
+    (lambda: text_request("Hello", max_tokens=10**6), "exceeds the target's context"),
+], ids=["missing prompt", "negative max_tokens", "wrong dtype", "negative temperature", "beyond context"])
+def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offline, inputs, message):
+    stream = Stream(server)
+    try:
+        stream.send(inputs())
+        pieces, _, error = stream.collect()
+        assert error is not None and message in error, error
+        assert pieces == []
+        stream.send(text_request(offline["prompts"][1]))
+        pieces, _, error = stream.collect()
+        assert error is None and flat(pieces) == offline["tokens"][1]
+    finally:
+        stream.close()
