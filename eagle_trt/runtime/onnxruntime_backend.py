@@ -60,8 +60,17 @@ def bind_kv(io: ort.IOBinding, cache: KVCache, layer: int, past: tuple[str, str]
 
 
 class OrtTarget(_Timed):
-    def __init__(self, path: str | Path, max_context: int, threads: int | None = None, **session_kwargs):
+    """min_rows: pad calls with fewer new tokens to this many rows (copies of the last token that
+    only see themselves; their KV rows are staged but never committed). ONNX Runtime's CPU
+    kernels round a 1-row MatMul differently from a multi-row one, while every row of a
+    >= 2-row call is bit-identical whatever the row count; with min_rows=2 a greedy
+    token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
+    need it, but FP8 activations turn such last-bit differences into different tokens."""
+
+    def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
+                 **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
+        self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
         shape = inputs["past_key_0"].shape   # [1, past_tokens, Hkv, D]
@@ -79,8 +88,13 @@ class OrtTarget(_Timed):
 
     def forward(self, input_ids, positions, mask, last_only=False):
         T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.stage(T)
-        full = np.ones((1, T, P + T), dtype=bool)
+        rows = max(T, self.min_rows)
+        if rows > T:
+            input_ids = torch.cat((input_ids, input_ids[-1:].repeat(rows - T)))
+            positions = torch.cat((positions, positions[-1:].repeat(rows - T)))
+            mask = torch.block_diag(mask, torch.eye(rows - T)).bool()
+        self.cache.stage(rows)
+        full = np.ones((1, rows, P + rows), dtype=bool)
         full[0, :, P:] = mask.numpy()
         io = self.session.io_binding()
         io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
@@ -94,7 +108,7 @@ class OrtTarget(_Timed):
             bind_kv(io, self.cache, i, (f"past_key_{i}", f"past_value_{i}"), (f"new_key_{i}", f"new_value_{i}"))
         self._run(io)
         logits, captured = io.get_outputs()[:2]
-        return torch.from_numpy(logits.numpy()[0]), torch.from_numpy(captured.numpy()[0])
+        return torch.from_numpy(logits.numpy()[0]), torch.from_numpy(captured.numpy()[0, :T])
 
     def commit(self, rows: list[int]) -> None:
         self.cache.commit(rows)

@@ -1,0 +1,32 @@
+"""FP8 and NVFP4 quantization in TensorRT's explicit Q/DQ ONNX form.
+
+    formats.py     FP8 E4M3FN / FP4 E2M1 / NVFP4 numerics in torch (bit-exact with ONNX)
+    config.py      QuantConfig per model: format, per-channel FP8 weights, skipped layers
+    fakequant.py   QuantLinear: the PyTorch golden reference of the quantized graphs
+    calibrate.py   max calibration on real (non-evaluation) prompts, JSON files
+    onnx_qdq.py    rewrite exported graphs into Q/DQ form (FP8 opset 19, NVFP4 opset 23)
+    check.py       layer-by-layer parity of a quantized graph with the reference
+    run.py         FP8 graphs on ONNX Runtime (ORT_ENABLE_BASIC), NVFP4 on onnx.reference
+
+Typical use:
+
+    amax = calibrate_target(target.model, [ids for _, ids in calibration_prompts(tokenizer)])
+    save_calibration("target.amax.json", amax)
+    cfg = QuantConfig("fp8")
+    quantize_onnx("target.onnx", "target.fp8.onnx", cfg, amax, linear_paths(target.model))
+    reference, summary = quantized_copy(target.model, cfg, amax)     # same arithmetic in torch
+"""
+from .calibrate import (AmaxRecorder, calibrate_drafter, calibrate_target, calibration_prompts, load_calibration,
+                        save_calibration)
+from .check import LayerParity, layer_parity
+from .config import FORMATS, QuantConfig, QuantError, QuantPlan
+from .fakequant import QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
+from .onnx_qdq import QDQSummary, module_for_node, quantize_graph, quantize_onnx
+from .run import (FP8_ORT_LEVEL, Fp8OrtDrafter, Fp8OrtTarget, TRT_FP4DynamicQuantize, fp8_backends, fp8_session,
+                  reference_evaluator, run_graph)
+
+__all__ = ["FORMATS", "FP8_ORT_LEVEL", "AmaxRecorder", "Fp8OrtDrafter", "Fp8OrtTarget", "LayerParity", "QDQSummary",
+           "QuantConfig", "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
+           "calibrate_drafter", "calibrate_target", "calibration_prompts", "fp8_backends", "fp8_session",
+           "layer_parity", "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
+           "quantize_onnx", "quantized_copy", "reference_evaluator", "run_graph", "save_calibration"]

@@ -1,0 +1,163 @@
+"""Max calibration: the largest |input| each nn.Linear sees on real prompts.
+
+The prompts are ShareGPT first-turn user messages from the validation split of
+train/data.py (never MT-bench, which is the evaluation set, and never the drafter's training
+split), rendered with the target's chat template. The target runs over each prompt; the
+drafter is fed the target's REAL captured features exactly as the decoder feeds it after a
+prefill (state of token t paired with the id of token t + 1, the target's greedy next token
+last) and then expands a full draft tree, so tree-step inputs are calibrated too.
+
+A calibration file is JSON {module path: amax}, one per model, written atomically."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import TreeShape
+from ..models.drafter import EagleDrafter
+from ..models.target import LlamaTarget, causal_mask
+from ..tree import draft_tree
+from .config import QuantError
+from .fakequant import linear_paths
+
+VAL_FRACTION = 0.02   # the validation split of train/data.py (DataConfig.val_fraction)
+
+
+def calibration_prompts(tokenizer, count: int = 16, max_tokens: int = 256, path: Path | None = None
+                        ) -> list[tuple[str, list[int]]]:
+    """(sample id, chat-rendered ids) of up to `count` validation-split ShareGPT first turns of at
+    most `max_tokens` tokens, with any MT-bench question rejected."""
+    from ..train.data import MTBenchGuard, in_split, iter_json_array, sharegpt_file, to_messages
+    path = Path(path) if path else sharegpt_file()
+    guard, out = MTBenchGuard(), []
+    for n, item in enumerate(iter_json_array(path)):
+        if len(out) >= count:
+            break
+        if not isinstance(item, dict):
+            continue
+        sid = str(item.get("id", f"{path.name}#{n}"))
+        if not in_split(sid, "val", VAL_FRACTION):
+            continue
+        messages = to_messages(item)
+        if not messages or guard.find(messages[:1]) is not None:
+            continue
+        ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if 2 <= len(ids) <= max_tokens:
+            out.append((sid, ids))
+    if not out:
+        raise QuantError(f"{path}: no validation-split prompts of at most {max_tokens} tokens for calibration")
+    return out
+
+
+class AmaxRecorder:
+    """Forward pre-hooks on every nn.Linear of a model, keeping the max |input| per module path."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.amax: dict[str, float] = {}
+        self.handles = []
+
+    def _hook(self, path: str):
+        def record(_module, args):
+            value = float(args[0].detach().abs().max()) if args[0].numel() else 0.0
+            if not math.isfinite(value):
+                raise QuantError(f"calibration: module '{path}' received a non-finite input")
+            self.amax[path] = max(self.amax.get(path, 0.0), value)
+        return record
+
+    def __enter__(self):
+        for path, module in linear_paths(self.model).items():
+            self.handles.append(module.register_forward_pre_hook(self._hook(path)))
+        return self
+
+    def __exit__(self, *_):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+@contextmanager
+def _recording(model: nn.Module):
+    recorder = AmaxRecorder(model)
+    with recorder, torch.inference_mode():
+        yield recorder
+    never = sorted(set(linear_paths(model)) - set(recorder.amax))
+    if never:
+        raise QuantError(f"calibration: module(s) {never} never ran on the calibration prompts")
+
+
+def _target_pass(target: LlamaTarget, ids: list[int]):
+    n = len(ids)
+    past_k, past_v = target.empty_past()
+    return target(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), past_k, past_v)
+
+
+def calibrate_target(target: LlamaTarget, prompts: list[list[int]]) -> dict[str, float]:
+    """{module path: max |input|} for every Linear of the target over the prompts."""
+    with _recording(target) as rec:
+        for ids in prompts:
+            _target_pass(target, ids)
+    return dict(sorted(rec.amax.items()))
+
+
+DEFAULT_TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
+
+
+def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[list[int]],
+                      shape: TreeShape = DEFAULT_TREE) -> dict[str, float]:
+    """{module path: max |input|} for every Linear of the drafter, fed the target's real
+    captured states of each prompt and then expanding a draft tree of `shape`. The target's
+    capture layers are set to the drafter's (as prepare_models does)."""
+    target.set_capture(drafter.cfg.capture_for(target.cfg))
+    shape = shape.validate(drafter.cfg.draft_vocab_size)
+    dtype = drafter.fc.weight.dtype
+    with _recording(drafter) as rec:
+        for ids in prompts:
+            with torch.inference_mode():
+                out = _target_pass(target, ids)
+            next_id = int(out.logits[0, -1].argmax())
+            pk, pv = drafter.empty_past()
+            draft_tree(drafter, out.captured.to(dtype), torch.tensor([ids[1:] + [next_id]]), pk, pv, shape)
+    return dict(sorted(rec.amax.items()))
+
+
+# ----------------------------------------------------------------------------- files
+
+def save_calibration(path: str | Path, amax: dict[str, float]) -> Path:
+    """JSON {module path: amax}, written to a temporary sibling and renamed into place."""
+    path = Path(path)
+    for key, value in amax.items():
+        if not isinstance(key, str) or not math.isfinite(float(value)) or value < 0:
+            raise QuantError(f"{path}: refusing to write amax {value!r} for module {key!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({k: float(v) for k, v in sorted(amax.items())}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(path: str | Path) -> dict[str, float]:
+    path = Path(path)
+    if not path.is_file():
+        raise QuantError(f"{path}: calibration file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise QuantError(f"{path}: expected a JSON object {{module path: amax}}")
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise QuantError(f"{path}: amax of module '{key}' must be a finite number >= 0, got {value!r}")
+    return {k: float(v) for k, v in data.items()}
+
+
+__all__ = ["AmaxRecorder", "calibrate_drafter", "calibrate_target", "calibration_prompts", "load_calibration",
+           "save_calibration"]

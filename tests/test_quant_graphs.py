@@ -1,0 +1,319 @@
+"""Q/DQ graphs of the tiny target and drafter against the PyTorch fake-quant reference: FP8 on
+ONNX Runtime (ORT_ENABLE_BASIC), NVFP4 on onnx.reference; graph structure as TensorRT reads
+it; speculative decoding on quantized graphs; bad inputs."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from eagle_trt.config import TreeShape
+from eagle_trt.export import check_graph, export_drafter_step, export_drafter_tree, export_target
+from eagle_trt.models.target import causal_mask
+from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, fp8_backends, layer_parity,
+                             linear_paths, module_for_node, quantize_onnx, quantized_copy, run_graph)
+from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+
+from conftest import PlantedDrafter, oracle_drafter
+
+torch.set_num_threads(1)
+SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
+FORMATS = ("fp8", "nvfp4")
+
+
+def rel_l2(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return float((a - b).norm() / b.norm())
+
+
+def _ids(n: int, seed: int, vocab: int = 96) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target, tmp_path_factory):
+    """Float graphs, calibration (random token prompts: the tiny model has no tokenizer) and the
+    quantized graphs of both formats."""
+    folder = tmp_path_factory.mktemp("quant_tiny")
+    drafter = oracle_drafter(tiny_target, "eagle3.1", draft_vocab_size=48)
+    before = tiny_target.model.capture
+    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    prompts = [_ids(12 + 5 * i, seed=100 + i) for i in range(6)]
+    amax = {"target": calibrate_target(tiny_target.model, prompts),
+            "drafter": calibrate_drafter(drafter, tiny_target.model, prompts, SHAPE)}
+    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+              "drafter": export_drafter_tree(drafter, SHAPE, folder / "drafter.onnx").path}
+    models = {"target": tiny_target.model, "drafter": drafter}
+    out = {"folder": folder, "amax": amax, "graphs": graphs, "models": models, "summary": {}}
+    for fmt in FORMATS:
+        for name in ("target", "drafter"):
+            path = folder / f"{name}.{fmt}.onnx"
+            out["summary"][name, fmt] = quantize_onnx(graphs[name], path, QuantConfig(fmt), amax[name],
+                                                      linear_paths(models[name]))
+            out["graphs"][name, fmt] = path
+    yield out
+    tiny_target.model.set_capture(before)      # the target fixture is shared with other test modules
+
+
+def target_feeds(cfg, ids: list[int], past: int, seed: int = 0):
+    """A call with `past` random committed KV rows, to exercise the past inputs too."""
+    T = len(ids)
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(1, past, cfg.num_key_value_heads, cfg.head_dim, generator=gen) for _ in range(2 * cfg.num_hidden_layers)]
+    feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(past, past + T)[None],
+             "attention_mask": causal_mask(T, past).numpy(), "logits_index": np.arange(T)}
+    for i in range(cfg.num_hidden_layers):
+        feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = kv[2 * i].numpy(), kv[2 * i + 1].numpy()
+    return feeds, kv
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_target_graph_matches_fake_quant_reference(setup, tiny_target, fmt):
+    model, cfg = tiny_target.model, tiny_target.config
+    reference, summary = quantized_copy(model, QuantConfig(fmt), setup["amax"]["target"])
+    assert sorted(summary.quantized) == setup["summary"]["target", fmt].modules
+    ids = _ids(6, seed=7)
+    feeds, kv = target_feeds(cfg, ids, past=5)
+    with torch.no_grad():
+        args = (torch.tensor([ids]), torch.arange(5, 11)[None], causal_mask(6, 5), kv[0::2], kv[1::2])
+        ref, flt = reference(*args), model(*args)
+    got = run_graph(setup["graphs"]["target", fmt], feeds)     # ORT (BASIC) for FP8, onnx.reference for NVFP4
+    err = rel_l2(got["logits"], ref.logits)
+    print(f"tiny target {fmt}: graph vs reference rel L2 {err:.2e}, quantization error {rel_l2(ref.logits, flt.logits):.2e}")
+    assert err <= 1e-3
+    assert rel_l2(got["captured"], ref.captured) <= 1e-3
+    assert rel_l2(got["new_key_3"], ref.new_k[3]) <= 1e-3
+    assert rel_l2(ref.logits, flt.logits) > 1e-2, "quantization changed nothing: the comparison would be vacuous"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_quantized_matmul_matches_its_quant_linear(setup, tiny_target, fmt):
+    reference, _ = quantized_copy(tiny_target.model, QuantConfig(fmt), setup["amax"]["target"])
+    feeds, _ = target_feeds(tiny_target.config, _ids(9, seed=3), past=4)
+    report = layer_parity(str(setup["graphs"]["target", fmt]), reference, feeds)
+    assert len(report) == len(setup["summary"]["target", fmt].quantized) == 6 * 7
+    assert setup["summary"]["target", fmt].unmatched == []
+    worst = max(r.rel_l2 for r in report)
+    assert worst <= 1e-5, [r for r in report if r.rel_l2 > 1e-5]
+
+
+def test_layer_parity_catches_a_wrong_scale(setup, tiny_target):
+    """The per-layer check can fail: a reference calibrated differently disagrees."""
+    amax = dict(setup["amax"]["target"], **{"layers.2.mlp.down_proj": setup["amax"]["target"]["layers.2.mlp.down_proj"] * 3})
+    reference, _ = quantized_copy(tiny_target.model, QuantConfig("fp8"), amax)
+    feeds, _ = target_feeds(tiny_target.config, _ids(9, seed=3), past=0)
+    bad = {r.module for r in layer_parity(str(setup["graphs"]["target", "fp8"]), reference, feeds) if r.rel_l2 > 1e-3}
+    assert bad == {"layers.2.mlp.down_proj"}
+
+
+def test_fp8_graph_structure(setup):
+    m = onnx.load(str(setup["graphs"]["target", "fp8"]))
+    assert next(o.version for o in m.opset_import if o.domain == "") == 19
+    inits = {i.name: i for i in m.graph.initializer}
+    producer = {o: n for n in m.graph.node for o in n.output}
+    matmuls = {n.name: n for n in m.graph.node if n.op_type == "MatMul"}
+    for name in setup["summary"]["target", "fp8"].quantized:
+        node = matmuls[name]
+        wdq = producer[node.input[1]]
+        assert wdq.op_type == "DequantizeLinear"
+        w, s = inits[wdq.input[0]], inits[wdq.input[1]]
+        assert w.data_type == TensorProto.FLOAT8E4M3FN and len(w.dims) == 2
+        assert list(s.dims) == [w.dims[1]] and helper.get_attribute_value(wdq.attribute[0]) == 1   # per out channel
+        adq = producer[node.input[0]]
+        q = producer[adq.input[0]]
+        assert (adq.op_type, q.op_type) == ("DequantizeLinear", "QuantizeLinear")
+        assert inits[q.input[2]].data_type == TensorProto.FLOAT8E4M3FN and inits[q.input[1]].dims == []
+    lm_head = matmuls["/model/lm_head/MatMul"]
+    assert inits[lm_head.input[1]].data_type == TensorProto.FLOAT      # skipped by default
+    assert not any(i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and i.dims[0] * i.dims[1] == 64 * 128
+                   for i in m.graph.initializer), "a float MLP weight survived the rewrite"
+    onnx.checker.check_model(m)
+    check_graph(m)
+
+
+def test_nvfp4_graph_structure(setup):
+    m = onnx.load(str(setup["graphs"]["target", "nvfp4"]))
+    assert next(o.version for o in m.opset_import if o.domain == "") == 23
+    assert any(o.domain == "trt" for o in m.opset_import)
+    inits = {i.name: i for i in m.graph.initializer}
+    producer = {o: n for n in m.graph.node for o in n.output}
+    node = next(n for n in m.graph.node if n.name == "/model/layers.1/mlp/down_proj/MatMul")
+    dq2 = producer[node.input[1]]
+    dq1 = producer[dq2.input[1]]
+    w4, sb8, g = inits[dq2.input[0]], inits[dq1.input[0]], inits[dq1.input[1]]
+    assert (w4.data_type, list(w4.dims), len(w4.raw_data)) == (TensorProto.FLOAT4E2M1, [128, 64], 128 * 64 // 2)
+    assert (sb8.data_type, list(sb8.dims)) == (TensorProto.FLOAT8E4M3FN, [8, 64])
+    assert g.data_type == TensorProto.FLOAT and list(g.dims) == []
+    assert {a.name: helper.get_attribute_value(a) for a in dq2.attribute} == {"axis": 0, "block_size": 16}
+    a2 = producer[node.input[0]]
+    a1 = producer[a2.input[1]]
+    dyn = producer[a2.input[0]]
+    assert (dyn.domain, dyn.op_type) == ("trt", "TRT_FP4DynamicQuantize")
+    assert {a.name: helper.get_attribute_value(a) for a in dyn.attribute} == \
+        {"axis": -1, "block_size": 16, "scale_type": TensorProto.FLOAT8E4M3FN}
+    assert dyn.output[1] == a1.input[0] and dyn.input[1] == a1.input[1]     # block scales DQ'd by the global scale
+    assert {a.name: helper.get_attribute_value(a) for a in a2.attribute} == {"axis": -1, "block_size": 16}
+    onnx.checker.check_model(m)
+    check_graph(m)
+
+
+def test_drafter_tree_shares_each_converted_weight(setup):
+    """The unrolled tree graph reads one initializer per drafter module: converted once, one DQ."""
+    for fmt in FORMATS:
+        summary = setup["summary"]["drafter", fmt]
+        assert summary.weights_converted == len(summary.modules) == 8       # all but lm_head
+        assert summary.unmatched == []
+        assert sorted(summary.modules) == sorted(p for p in linear_paths(setup["models"]["drafter"]) if p != "lm_head")
+        m = onnx.load(str(setup["graphs"]["drafter", fmt]))
+        matmuls = [n for n in m.graph.node if n.name in summary.quantized]
+        by_weight: dict[str, list[str]] = {}
+        for n in matmuls:
+            by_weight.setdefault(n.input[1], []).append(summary.quantized[n.name])
+        assert len(by_weight) == 8
+        q_proj = [w for w, mods in by_weight.items() if mods[0] == "midlayer.self_attn.q_proj"]
+        assert len(q_proj) == 1 and len(by_weight[q_proj[0]]) == SHAPE.depth     # step 0 + 3 tree steps
+        weight_dqs = [n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.output[0] in by_weight]
+        assert len(weight_dqs) == 8
+        assert len(summary.skipped) == SHAPE.depth and all("lm_head" in r for r in summary.skipped.values())
+        check_graph(m)
+
+
+def _drafter_inputs(tiny_target, seed: int):
+    ids = _ids(10, seed)
+    past_k, past_v = tiny_target.model.empty_past()
+    with torch.no_grad():
+        out = tiny_target.model(torch.tensor([ids]), torch.arange(10)[None], causal_mask(10, 0), past_k, past_v)
+    return out.captured[0], torch.tensor(ids[1:] + [int(out.logits[0, -1].argmax())])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, fmt):
+    reference, _ = quantized_copy(setup["models"]["drafter"], QuantConfig(fmt), setup["amax"]["drafter"])
+    for seed in range(3):
+        captured, ids = _drafter_inputs(tiny_target, seed)
+        ref = TorchDrafter(reference, SHAPE)
+        ref.reset(32)
+        tree = ref.draft(captured, ids)
+        kv = np.zeros((1, 0, 2, 16), np.float32)
+        got = run_graph(setup["graphs"]["drafter", fmt], {"captured": captured[None].numpy(),
+                                                          "input_ids": ids[None].numpy(), "past_key": kv, "past_value": kv})
+        assert got["tree_tokens"].tolist() == tree.tokens.tolist()
+        assert got["tree_parents"].tolist() == tree.parents.tolist()
+        assert (got["tree_mask"] == tree.mask.numpy()).all()
+        assert np.abs(got["tree_scores"] - tree.scores.numpy()).max() <= 1e-4
+
+
+def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, tiny_target):
+    """FP8 target + FP8 drafter graphs on ONNX Runtime give exactly the tokens of greedy decoding
+    with the FP8 target graph alone, and of the fake-quant PyTorch models."""
+    cfg = QuantConfig("fp8")
+    ref_target, _ = quantized_copy(tiny_target.model, cfg, setup["amax"]["target"])
+    ref_drafter, _ = quantized_copy(setup["models"]["drafter"], cfg, setup["amax"]["drafter"])
+    target, drafter = fp8_backends(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"], SHAPE,
+                                   tiny_target.config.max_position_embeddings)
+    accepted = []
+    for seed in range(3):
+        prompt = _ids(8 + 9 * seed, seed=20 + seed)
+        ar = generate_autoregressive(target, prompt, 32, [])
+        torch_ar = generate_autoregressive(TorchTarget(ref_target), prompt, 32, [])
+        assert ar.tokens == torch_ar.tokens
+        spec = SpeculativeDecoder(target, PlantedDrafter(drafter, len(prompt), ar.tokens, seed=seed), []).generate(prompt, 32)
+        assert spec.tokens == ar.tokens
+        accepted += spec.accept_lengths
+        plain = SpeculativeDecoder(target, drafter, []).generate(prompt, 32)
+        torch_spec = SpeculativeDecoder(TorchTarget(ref_target), TorchDrafter(ref_drafter, SHAPE), []).generate(prompt, 32)
+        assert plain.tokens == ar.tokens == torch_spec.tokens
+        assert plain.accept_lengths == torch_spec.accept_lengths
+    assert max(accepted) >= 3, "no draft was accepted deeply: the check would be vacuous"
+
+
+def test_single_step_drafter_graph(setup, tmp_path):
+    """A later-step drafter graph has no fc: it is reported unmatched, the rest is quantized and
+    matches the fake-quant drafter step."""
+    drafter = setup["models"]["drafter"]
+    step = export_drafter_step(drafter, tmp_path / "step.onnx", first=False).path
+    summary = quantize_onnx(step, tmp_path / "step.fp8.onnx", QuantConfig("fp8"), setup["amax"]["drafter"],
+                            linear_paths(drafter))
+    assert summary.unmatched == ["fc"] and len(summary.modules) == 7
+    reference, _ = quantized_copy(drafter, QuantConfig("fp8"), setup["amax"]["drafter"])
+    gen = torch.Generator().manual_seed(5)
+    hidden, ids = torch.randn(1, 4, 64, generator=gen), torch.tensor([_ids(4, seed=5)])
+    past = torch.randn(1, 6, 2, 16, generator=gen)
+    args = (hidden, ids, torch.arange(6, 10)[None], causal_mask(4, 6), past, past)
+    with torch.no_grad():
+        ref = reference(*args)
+    got = run_graph(tmp_path / "step.fp8.onnx", dict(zip(["hidden", "input_ids", "position_ids", "attention_mask",
+                                                          "past_key", "past_value"], [a.numpy() for a in args])))
+    assert rel_l2(got["logits"], ref.logits) <= 1e-3 and rel_l2(got["feedback"], ref.feedback) <= 1e-3
+
+
+def test_float16_graph_is_refused_by_name(tiny_target, setup, tmp_path):
+    import copy
+    path = export_target(copy.deepcopy(tiny_target.model).half(), tmp_path / "t16.onnx", dtype="float16").path
+    with pytest.raises(QuantError, match=r"/model/layers.0/self_attn/q_proj/MatMul.*FLOAT16; only float32"):
+        quantize_onnx(path, tmp_path / "t16.fp8.onnx", QuantConfig("fp8"), setup["amax"]["target"])
+    assert not (tmp_path / "t16.fp8.onnx").exists()
+
+
+def test_module_paths_from_node_names(setup):
+    target_paths = list(linear_paths(setup["models"]["target"]))
+    drafter_paths = list(linear_paths(setup["models"]["drafter"]))
+    assert module_for_node("/model/layers.3/self_attn/q_proj/MatMul", target_paths) == "layers.3.self_attn.q_proj"
+    assert module_for_node("/model/lm_head/MatMul", target_paths) == "lm_head"
+    assert module_for_node("/drafter/self_attn/q_proj_2/MatMul", drafter_paths) == "midlayer.self_attn.q_proj"
+    assert module_for_node("/drafter/mlp_1/down_proj_1/MatMul", drafter_paths) == "midlayer.mlp.down_proj"
+    assert module_for_node("/fc/MatMul", drafter_paths) == "fc"
+    many = [f"layers.{i}.mlp.up_proj" for i in (0, 1, 10, 11)]
+    assert module_for_node("/model/layers.1/mlp/up_proj/MatMul", many) == "layers.1.mlp.up_proj"
+    assert module_for_node("/model/layers.2/mlp/up_proj/MatMul", many) is None
+    with pytest.raises(QuantError, match="several modules"):
+        module_for_node("/up_proj/MatMul", many)
+
+
+def test_skip_patterns_apply_to_graph_and_reference_alike(setup, tmp_path):
+    cfg = QuantConfig("fp8", per_channel=False, skip=("lm_head", "layers.0.*", "*.o_proj"))
+    amax = setup["amax"]["target"]
+    summary = quantize_onnx(setup["graphs"]["target"], tmp_path / "t.onnx", cfg, amax)
+    _, ref = quantized_copy(setup["models"]["target"], cfg, amax)
+    assert summary.modules == sorted(ref.quantized)
+    assert not any(p.startswith("layers.0.") or p.endswith("o_proj") for p in summary.modules)
+    assert summary.skipped["/model/layers.0/mlp/up_proj/MatMul"] == "layers.0.mlp.up_proj: skip pattern 'layers.0.*'"
+    assert len(summary.modules) == 42 - 7 - 5 and len(ref.skipped) == 1 + 7 + 5   # o_proj of layer 0 counted once
+    m = onnx.load(str(tmp_path / "t.onnx"))
+    per_tensor = [n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith("_fp8")]
+    assert per_tensor and all(not n.attribute for n in per_tensor)
+
+
+def test_missing_calibration_module_is_named_and_nothing_is_written(setup, tmp_path):
+    amax = {k: v for k, v in setup["amax"]["target"].items() if k != "layers.2.mlp.down_proj"}
+    out = tmp_path / "out"
+    with pytest.raises(QuantError, match=r"layers\.2\.mlp\.down_proj"):
+        quantize_onnx(setup["graphs"]["target"], out / "t.onnx", QuantConfig("fp8"), amax,
+                      linear_paths(setup["models"]["target"]), source="target.amax.json")
+    assert not out.exists() or list(out.iterdir()) == []
+    # the same calibration without the module list (as from a calibration file alone)
+    with pytest.raises(QuantError, match=r"target.amax.json: no calibrated amax for module\(s\) \['layers.2.mlp.down_proj'\]"):
+        quantize_onnx(setup["graphs"]["target"], out / "t.onnx", QuantConfig("fp8"), amax, source="target.amax.json")
+    with pytest.raises(QuantError, match=r"layers\.2\.mlp\.down_proj"):
+        quantized_copy(setup["models"]["target"], QuantConfig("nvfp4"), amax)
+    with pytest.raises(QuantError, match="format is 'none'"):
+        quantize_onnx(setup["graphs"]["target"], out / "t.onnx", QuantConfig("none"), amax)
+    with pytest.raises(QuantError, match="nope.onnx: ONNX graph not found"):
+        quantize_onnx(tmp_path / "nope.onnx", out / "t.onnx", QuantConfig("fp8"), amax)
+
+
+def test_graph_failing_the_tensorrt_check_leaves_nothing_behind(setup, tmp_path):
+    """A real failure after the graph is written to its temporary folder: an op TensorRT lacks."""
+    m = onnx.load(str(setup["graphs"]["target"]))
+    m.graph.node.append(helper.make_node("Det", ["/model/layers.0/self_attn/q_proj/MatMul_output_0"], ["det_out"],
+                                         name="det0"))
+    src = tmp_path / "with_det.onnx"
+    onnx.save(m, str(src))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(Exception, match="det0"):
+        quantize_onnx(src, out / "t.onnx", QuantConfig("fp8"), setup["amax"]["target"])
+    assert list(out.iterdir()) == []
