@@ -16,16 +16,18 @@ class ConfigError(ValueError):
     """A config value is missing, has the wrong type, or does not fit its partner model."""
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, error: type[Exception] = ConfigError, what: str = "file",
+              expected: str = "a JSON object at top level") -> dict:
+    """A JSON object from `path`; any problem raises `error` naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
+        raise error(f"{path}: {what} not found")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        raise error(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object at top level")
+        raise error(f"{path}: expected {expected}")
     return data
 
 

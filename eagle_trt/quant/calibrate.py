@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import TreeShape
+from ..config import TreeShape, read_json
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget, causal_mask
 from ..tree import draft_tree
@@ -145,14 +145,7 @@ def save_calibration(path: str | Path, amax: dict[str, float]) -> Path:
 
 def load_calibration(path: str | Path) -> dict[str, float]:
     path = Path(path)
-    if not path.is_file():
-        raise QuantError(f"{path}: calibration file not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise QuantError(f"{path}: expected a JSON object {{module path: amax}}")
+    data = read_json(path, QuantError, "calibration file", "a JSON object {module path: amax}")
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise QuantError(f"{path}: amax of module '{key}' must be a finite number >= 0, got {value!r}")
