@@ -158,7 +158,8 @@ def main(argv=None) -> int:
         info["drafter"] = {"path": str(final), "bytes": size, "dtype": args.save_dtype}
     else:
         print(f"train: stopped at step {result.step}/{cfg.steps}; run again with --resume to continue")
-    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    plain = lambda v: [plain(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v  # noqa: E731
+    log = {"args": {k: plain(v) for k, v in vars(args).items()},
            "config": asdict(cfg), "capture": {"layer_ids": list(capture.layer_ids), "convention": capture.convention},
            "step": result.step, "finished": result.finished, "seconds_this_session": time.perf_counter() - t0,
            **info, "log": result.log}
