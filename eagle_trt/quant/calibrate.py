@@ -26,33 +26,15 @@ from ..tree import draft_tree
 from .config import QuantError
 from .fakequant import linear_paths
 
-VAL_FRACTION = 0.02   # the validation split of train/data.py (DataConfig.val_fraction)
-
-
 def calibration_prompts(tokenizer, count: int = 16, max_tokens: int = 256, path: Path | None = None
                         ) -> list[tuple[str, list[int]]]:
     """(sample id, chat-rendered ids) of up to `count` validation-split ShareGPT first turns of at
     most `max_tokens` tokens, with any MT-bench question rejected."""
-    from ..train.data import MTBenchGuard, in_split, iter_json_array, sharegpt_file, to_messages
-    path = Path(path) if path else sharegpt_file()
-    guard, out = MTBenchGuard(), []
-    for n, item in enumerate(iter_json_array(path)):
-        if len(out) >= count:
-            break
-        if not isinstance(item, dict):
-            continue
-        sid = str(item.get("id", f"{path.name}#{n}"))
-        if not in_split(sid, "val", VAL_FRACTION):
-            continue
-        messages = to_messages(item)
-        if not messages or guard.find(messages[:1]) is not None:
-            continue
-        ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if 2 <= len(ids) <= max_tokens:
-            out.append((sid, ids))
+    from ..train.data import first_turns, sharegpt_file
+    out = [(sid, ids) for sid, _, ids in first_turns(tokenizer, "val", count, max_tokens, min_tokens=2, path=path)]
     if not out:
-        raise QuantError(f"{path}: no validation-split prompts of at most {max_tokens} tokens for calibration")
+        raise QuantError(f"{path or sharegpt_file()}: no validation-split prompts of at most {max_tokens} tokens "
+                         f"for calibration")
     return out
 
 

@@ -192,6 +192,31 @@ class DataStats:
     rejected_ids: list[str] = field(default_factory=list)
 
 
+def first_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: int = 1,
+                path: str | Path | None = None, val_fraction: float = DataConfig.val_fraction
+                ) -> list[tuple[str, str, list[int]]]:
+    """(sample id, text, chat-rendered ids) of up to `count` ShareGPT first user turns of the
+    split, with min_tokens <= len(ids) <= max_tokens, in file order, MT-bench questions rejected."""
+    path = Path(path) if path else sharegpt_file()
+    guard, out = MTBenchGuard(), []
+    for n, item in enumerate(iter_json_array(path)):
+        if len(out) >= count:
+            break
+        if not isinstance(item, dict):
+            continue
+        sid = str(item.get("id", f"{path.name}#{n}"))
+        if not in_split(sid, split, val_fraction):
+            continue
+        messages = to_messages(item)
+        if not messages or guard.find(messages[:1]) is not None:
+            continue
+        ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if min_tokens <= len(ids) <= max_tokens:
+            out.append((sid, messages[0]["content"], ids))
+    return out
+
+
 def load_samples(tokenizer, cfg: DataConfig, guard: MTBenchGuard | None = None) -> tuple[list[Sample], DataStats]:
     """Up to cfg.max_samples rendered samples of the split, in file order."""
     path = Path(cfg.path) if cfg.path else sharegpt_file()
@@ -223,5 +248,5 @@ def load_samples(tokenizer, cfg: DataConfig, guard: MTBenchGuard | None = None) 
     return out, stats
 
 
-__all__ = ["DataConfig", "DataError", "DataStats", "MTBenchGuard", "Sample", "in_split", "iter_json_array",
+__all__ = ["DataConfig", "DataError", "DataStats", "MTBenchGuard", "Sample", "first_turns", "in_split", "iter_json_array",
            "load_samples", "render", "sharegpt_file", "to_messages"]

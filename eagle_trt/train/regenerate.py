@@ -25,29 +25,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoints import load_target
-from .data import DataConfig, MTBenchGuard, in_split, iter_json_array, sharegpt_file, to_messages
-
-
-def first_turn_prompts(tokenizer, max_prompts: int, max_prompt_tokens: int, path: Path | None = None,
-                       val_fraction: float = DataConfig.val_fraction) -> list[tuple[str, str, list[int]]]:
-    """(sample id, prompt text, rendered prompt ids) for train-split ShareGPT items."""
-    path = path or sharegpt_file()
-    guard, out = MTBenchGuard(), []
-    for n, item in enumerate(iter_json_array(path)):
-        if len(out) >= max_prompts:
-            break
-        if not isinstance(item, dict):
-            continue
-        sid = str(item.get("id", f"{path.name}#{n}"))
-        messages = to_messages(item)
-        if not messages or not in_split(sid, "train", val_fraction) or guard.find(messages[:1]) is not None:
-            continue
-        text = messages[0]["content"]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if len(ids) <= max_prompt_tokens:
-            out.append((sid, text, ids))
-    return out
+from .data import first_turns
 
 
 @torch.inference_mode()
@@ -149,7 +127,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target)
-    prompts = first_turn_prompts(target.tokenizer(), args.max_prompts, args.max_prompt_tokens)
+    prompts = first_turns(target.tokenizer(), "train", args.max_prompts, args.max_prompt_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size, args.answered_only)}")
     return 0
