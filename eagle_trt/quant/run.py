@@ -70,10 +70,15 @@ def reference_evaluator(model: str | Path | onnx.ModelProto) -> ReferenceEvaluat
     return ReferenceEvaluator(model, new_ops=[TRT_FP4DynamicQuantize])
 
 
+# Lets constant folding fold the weights' DequantizeLinear nodes (see the module docstring).
+FP8_SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
+
+
 def fp8_session_options(threads: int | None = 1) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = FP8_ORT_LEVEL
-    so.add_session_config_entry("session.disable_quant_qdq", "1")   # lets constant folding fold weight DQs
+    for key, value in FP8_SESSION_CONFIG.items():
+        so.add_session_config_entry(key, value)
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
@@ -102,22 +107,18 @@ def run_graph(path: str | Path, feeds: dict[str, np.ndarray], threads: int | Non
 
 
 class Fp8OrtTarget(OrtTarget):
-    """OrtTarget on an fp8_session. The base class opens the graph with optimizations off (to
-    read its signature); that session is then replaced, since make_session takes no config entries."""
+    """OrtTarget with the FP8 session settings."""
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = 1, min_rows: int = 2):
         # min_rows=2: token-by-token calls take the arithmetic path of verification (see OrtTarget)
-        super().__init__(path, max_context, threads, min_rows=min_rows,
-                         level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        self.session = fp8_session(path, threads)
+        super().__init__(path, max_context, threads, min_rows=min_rows, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
 
 
 class Fp8OrtDrafter(OrtDrafter):
-    """OrtDrafter on an fp8_session (see Fp8OrtTarget)."""
+    """OrtDrafter with the FP8 session settings."""
 
     def __init__(self, path: str | Path, shape: TreeShape, threads: int | None = 1):
-        super().__init__(path, shape, threads, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        self.session = fp8_session(path, threads)
+        super().__init__(path, shape, threads, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
 
 
 def fp8_backends(target_graph: str | Path | None, drafter_graph: str | Path | None, shape: TreeShape,
@@ -128,5 +129,5 @@ def fp8_backends(target_graph: str | Path | None, drafter_graph: str | Path | No
     return target, drafter
 
 
-__all__ = ["FP8_ORT_LEVEL", "Fp8OrtDrafter", "Fp8OrtTarget", "TRT_FP4DynamicQuantize", "fp8_backends", "fp8_session",
+__all__ = ["FP8_ORT_LEVEL", "FP8_SESSION_CONFIG", "Fp8OrtDrafter", "Fp8OrtTarget", "TRT_FP4DynamicQuantize", "fp8_backends", "fp8_session",
            "fp8_session_options", "is_nvfp4_graph", "reference_evaluator", "run_graph"]

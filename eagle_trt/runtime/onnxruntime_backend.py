@@ -33,12 +33,16 @@ class _Timed:
 
 
 def make_session(path: str | Path, threads: int | None = None,
-                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> ort.InferenceSession:
+                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                 config: dict[str, str] | None = None) -> ort.InferenceSession:
+    """config: ONNX Runtime session config entries (e.g. the FP8 settings in eagle_trt.quant.run)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: ONNX graph not found")
     so = ort.SessionOptions()
     so.graph_optimization_level = level
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
