@@ -177,7 +177,9 @@ def main(argv=None) -> int:
     decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
     hf = HFBaseline(models.target.folder)
     warm = prompts[names[0]][0]                      # first-call allocations stay out of the numbers
-    decoder.generate(warm, 8), generate_autoregressive(target, warm, 8, eos), hf.generate(warm, 8, eos)
+    decoder.generate(warm, 8)
+    generate_autoregressive(target, warm, 8, eos)
+    hf.generate(warm, 8, eos)
     results = [run_workload(w, prompts[w], hf, target, drafter, decoder, eos, args.max_new_tokens, shape.depth)
                for w in names]
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
