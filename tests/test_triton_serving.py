@@ -197,3 +197,38 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offl
         assert error is None and flat(pieces) == offline["tokens"][1]
     finally:
         stream.close()
+
+
+def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path):
+    """An FP8 build (tiny target and drafter) served in-process: the model opens its FP8 graphs
+    with the FP8 ONNX Runtime backends (weight DQs folded, 2-row padding), so its stream equals
+    the offline FP8 runtime's tokens, which equal FP8 greedy decoding."""
+    import json
+
+    from test_build_support import tiny_config, write_tiny_target
+
+    from eagle_trt.build import build, config_from_dict
+    from eagle_trt.quant.run import fp8_backends
+    from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+
+    data = tiny_config(write_tiny_target(tmp_path / "target"), parity={"enabled": False},
+                       precision={"target": {"format": "fp8", "base": "fp32"}, "drafter": {"format": "fp8", "base": "fp32"}})
+    m = build(config_from_dict(data, "tiny fp8"), tmp_path / "out", log=None)
+    settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
+    assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
+    resolved = json.loads(m.artifact("validate/resolved.json").read_text())
+    shape = config_from_dict(data, "tiny fp8").tree.shape
+    target, drafter = fp8_backends(m.artifact("quantize/target.fp8.onnx"), m.artifact("quantize/drafter_tree.fp8.onnx"),
+                                   shape, resolved["target"]["max_context"], threads=1)
+    eos = resolved["target"]["eos_ids"]
+    prompt = list(range(5, 25))
+    expected = SpeculativeDecoder(target, drafter, eos).generate(prompt, 8).tokens
+    assert expected == generate_autoregressive(target, prompt, 8, eos).tokens
+    with LocalTriton(m.artifact("triton")) as server:
+        stream = Stream(server)
+        try:
+            stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
+            pieces, _, error = stream.collect()
+            assert error is None and flat(pieces) == expected
+        finally:
+            stream.close()

@@ -353,8 +353,8 @@ class Build:
 
         def run(tmp: Path) -> dict:
             plans = {n: self.path("engines", f"{n}.plan") for n in ("target", "drafter_tree")} if engines else None
-            levels = {g: ("basic" if ".fp8." in p.name else "all") for g, p in graphs.items()}
-            return write_repository(tmp, cfg, self.resolved, graphs, levels, plans, self.log)
+            precision = {g: ("fp8" if ".fp8." in p.name else "float") for g, p in graphs.items()}
+            return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log)
         return self.run("triton", selected, key, run, skip)
 
 

@@ -89,7 +89,7 @@ def _kv(graph: Path, layers_key: str) -> dict:
             "layers": sum(1 for n in dims if n.startswith("past_key_")) or 1}
 
 
-def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], levels: dict[str, str],
+def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], precision: dict[str, str],
                      plans: dict[str, Path] | None, log=None) -> dict:
     name = cfg.serving.model_name
     version = out / name / "1"
@@ -113,7 +113,7 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 "max_context": resolved["target"]["max_context"], "vocab_size": resolved["target"]["vocab_size"],
                 "eos_ids": sorted(set(resolved["target"]["eos_ids"])), "chat": cfg.serving.chat,
                 "max_tokens": cfg.serving.max_tokens, "max_concurrent": cfg.serving.max_concurrent,
-                "threads": cfg.serving.threads, "graphs": {}, "levels": levels,
+                "threads": cfg.serving.threads, "graphs": {}, "precision": precision,
                 "target_kv": _kv(graphs["target"], "past_key_0"), "drafter_kv": _kv(graphs["drafter_tree"], "past_key")}
     if plans:
         settings.update(target_model=f"{name}_target", drafter_model=f"{name}_drafter")

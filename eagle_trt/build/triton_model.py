@@ -159,16 +159,14 @@ class TritonPythonModel:
         else:
             import copy
 
-            import onnxruntime as ort
-
+            from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtTarget
             from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
-            levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                      "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+            # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
+            fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
-            target = OrtTarget(folder / s["graphs"]["target"], s["max_context"], threads,
-                               level=levels[s["levels"]["target"]])
-            drafter = OrtDrafter(folder / s["graphs"]["drafter_tree"], shape, threads,
-                                 level=levels[s["levels"]["drafter_tree"]])
+            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
+            drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
+                                                                             threads)
             # Sessions are shared (ORT runs concurrent calls on one session); each slot has its own caches.
             for _ in range(s["max_concurrent"]):
                 self.slots.put((copy.copy(target), copy.copy(drafter)))
