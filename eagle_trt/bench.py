@@ -61,6 +61,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, target: Or
                  decoder: SpeculativeDecoder, eos: set[int], max_new_tokens: int, depth: int) -> dict:
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES}
     split = {"drafter_graph": 0.0, "target_graph": 0.0}
+    calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
     for i, ids in enumerate(prompts):
         hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
@@ -69,10 +70,13 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, target: Or
         ar = generate_autoregressive(target, ids, max_new_tokens, eos)
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
+        calls["autoregressive"] += ar.target_calls
         t0, d0 = target.graph_seconds, drafter.graph_seconds
         sp = decoder.generate(ids, max_new_tokens)
         split["target_graph"] += target.graph_seconds - t0
         split["drafter_graph"] += drafter.graph_seconds - d0
+        calls["drafter"] += sp.drafter_calls
+        calls["verify"] += sp.target_calls
         rows["speculative"]["tokens"] += len(sp.tokens)
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
@@ -84,6 +88,17 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, target: Or
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
     spec_s = rows["speculative"]["seconds"]
     absolute, conditional = depth_rates(accepts, depth)
+    # Where the time goes, per call (prefill folded in, as in the tokens/s): one speculative
+    # iteration costs (draft + verify + host) and must emit that many autoregressive steps' worth
+    # of tokens to break even.
+    ar_ms = 1e3 * rows["autoregressive"]["seconds"] / calls["autoregressive"]
+    host_s = spec_s - split["drafter_graph"] - split["target_graph"]
+    iteration_ms = 1e3 * (split["drafter_graph"] / calls["drafter"] + split["target_graph"] / calls["verify"]
+                          + host_s / calls["drafter"])
+    cost = {"autoregressive_step_ms": ar_ms, "draft_call_ms": 1e3 * split["drafter_graph"] / calls["drafter"],
+            "verify_call_ms": 1e3 * split["target_graph"] / calls["verify"],
+            "host_ms_per_iteration": 1e3 * host_s / calls["drafter"], "iteration_ms": iteration_ms,
+            "break_even_accept_length": iteration_ms / ar_ms, "accept_length_for_1.8x": 1.8 * iteration_ms / ar_ms}
     return {"workload": name, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "modes": rows, "mean_accept_length": sum(accepts) / max(len(accepts), 1),
             "accepted_at_least": absolute, "conditional": conditional,
@@ -91,7 +106,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, target: Or
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": {"drafter_graph": split["drafter_graph"] / spec_s, "target_graph": split["target_graph"] / spec_s,
                            "host": 1 - (split["drafter_graph"] + split["target_graph"]) / spec_s},
-            "identical_outputs": identical, "peak_rss_gb": peak_rss_gb()}
+            "cost": cost, "identical_outputs": identical, "peak_rss_gb": peak_rss_gb()}
 
 
 def format_table(results: list[dict]) -> str:
@@ -105,6 +120,15 @@ def format_table(results: list[dict]) -> str:
                      f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
                      f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
                      f"{s['host']:>7.1%}{r['identical_outputs']:>4}/{r['prompts']:<2}")
+    head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'host':>7}{'iteration':>11}"
+            f"{'break-even':>12}{'for 1.8x':>10}{'measured':>10}")
+    lines += ["", "where the time goes (ms per call; accept lengths an iteration must reach):", head, "-" * len(head)]
+    for r in results:
+        c = r["cost"]
+        lines.append(f"{r['workload']:<10}{c['autoregressive_step_ms']:>9.1f}{c['draft_call_ms']:>8.1f}"
+                     f"{c['verify_call_ms']:>8.1f}{c['host_ms_per_iteration']:>7.1f}{c['iteration_ms']:>11.1f}"
+                     f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
+                     f"{r['mean_accept_length']:>10.2f}")
     return "\n".join(lines)
 
 

@@ -111,3 +111,25 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     for name in ("speedup.png", "acceptance_per_depth.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     assert "vs AR" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_cli_measures_three_modes_on_the_same_prompts(tmp_path, capsys):
+    """transformers generate, autoregressive and speculative decoding on the exported graphs of the
+    shipped drafter: identical greedy tokens, a time split that adds up, and a cost breakdown
+    whose break-even acceptance is the iteration cost in autoregressive steps."""
+    from eagle_trt import bench
+    rc = bench.main(["--workloads", "mtbench", "--prompts", "1", "--max-new-tokens", "12", "--tree", "3,2,4",
+                     "--threads", "1", "--onnx-dir", str(tmp_path / "graphs"), "--out", str(tmp_path / "b")])
+    assert rc == 0
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    (r,) = report["results"]
+    assert r["identical_outputs"] == 1
+    assert len({r["modes"][m]["tokens"] for m in bench.MODES}) == 1 and 0 < r["modes"]["speculative"]["tokens"] <= 12
+    assert sum(r["time_split"].values()) == pytest.approx(1.0) and 0 < r["time_split"]["host"] < 1
+    c = r["cost"]
+    assert c["iteration_ms"] == pytest.approx(c["draft_call_ms"] + c["verify_call_ms"] + c["host_ms_per_iteration"])
+    assert c["break_even_accept_length"] == pytest.approx(c["iteration_ms"] / c["autoregressive_step_ms"])
+    assert 1.0 <= r["mean_accept_length"] <= 4.0
+    assert (tmp_path / "b" / "speedup.png").stat().st_size > 0 and (tmp_path / "b" / "acceptance_per_depth.png").is_file()
+    assert "where the time goes" in capsys.readouterr().out
