@@ -7,6 +7,8 @@ Per workload, all at temperature 0 on the same prompts and the same machine:
 - `transformers`: LlamaForCausalLM.generate (greedy, KV cache) on the same weights (PyTorch);
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
 - `speculative`: the drafter-tree graph plus one target-graph verification per iteration.
+The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
+since the best shape depends on how verification cost grows with tokens on the hardware.
 Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
 decoding (drafter graph, target graph, host work outside graph calls), peak RSS, and whether
 the outputs of the three were identical. Prints a table, writes bench.json and two PNG plots."""
@@ -32,6 +34,37 @@ from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 from .workloads import build
 
 MODES = ("transformers", "autoregressive", "speculative")
+# --tree auto tries these: chains and small trees suit hardware where verifying more tokens
+# costs noticeably more than one (a CPU), wider trees the memory-bound regime of a GPU.
+TREE_CANDIDATES = "2,1,2;3,1,3;3,2,4;4,2,6;4,4,12;5,4,16"
+
+
+def parse_tree(text: str) -> TreeShape:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(x.strip().isdigit() for x in parts):
+        raise ConfigError(f"tree {text!r}: expected depth,top_k,total_tokens (e.g. 3,2,4)")
+    return TreeShape(*(int(x) for x in parts)).validate()
+
+
+def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTarget, prompts: list[list[int]],
+                max_new_tokens: int, threads: int | None) -> list[dict]:
+    """Speculative tokens/s of each tree shape on the same target session and prompts (kept apart
+    from the measured ones), fastest first. Only the drafter graph is exported per shape."""
+    rows = []
+    for shape in candidates:
+        sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
+        graph = export_pipeline(models, shape, sub, log=None, only=("drafter_tree",))["drafter_tree"]
+        decoder = SpeculativeDecoder(target, OrtDrafter(graph, shape, threads), models.eos_ids,
+                                     models.target.config.vocab_size)
+        decoder.generate(prompts[0], 8)
+        runs = [decoder.generate(ids, max_new_tokens) for ids in prompts]
+        tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
+        accepts = [a for r in runs for a in r.accept_lengths]
+        rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens], "tokens_per_second": tokens / seconds,
+                     "mean_accept_length": sum(accepts) / len(accepts)})
+        print(f"  tree {tuple(rows[-1]['tree'])}: {rows[-1]['tokens_per_second']:.1f} tok/s, "
+              f"accept {rows[-1]['mean_accept_length']:.2f}", file=sys.stderr, flush=True)
+    return sorted(rows, key=lambda r: -r["tokens_per_second"])
 
 
 def peak_rss_gb() -> float:
@@ -174,28 +207,35 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="mtbench,humaneval,long-2k")
     p.add_argument("--prompts", type=int, default=20, help="prompts per workload (long context: at most 3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default="4,4,12", help="depth,top_k,total_tokens of the draft tree")
+    p.add_argument("--tree", default="auto", help="depth,top_k,total_tokens of the draft tree, or 'auto': the "
+                   "fastest of --tree-candidates on --sweep-prompts MT-bench prompts not among the measured ones")
+    p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
+    p.add_argument("--sweep-prompts", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
-        parts = [int(x) for x in args.tree.split(",")]
-        if len(parts) != 3:
-            raise ConfigError(f"--tree {args.tree!r}: expected depth,top_k,total_tokens")
-        shape = TreeShape(*parts).validate()
+        candidates = [parse_tree(t) for t in (args.tree_candidates if args.tree == "auto" else args.tree).split(";")]
         if args.threads:
             torch.set_num_threads(args.threads)
         models = prepare_models(args.target, args.drafter, log=sys.stderr)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
                    for w in names}
+        sweep = build(models.tokenizer, "mtbench", args.prompts + args.sweep_prompts)[args.prompts:]
     except (ConfigError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
-    graphs = export_pipeline(models, shape, folder, log=sys.stderr)
     threads = args.threads or None
-    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, threads)
+    target_graph = export_pipeline(models, candidates[0], folder, log=sys.stderr, only=("target",))["target"]
+    target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)
+    tree_sweep = []
+    if len(candidates) > 1:
+        print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)
+        tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads)
+    shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
+    graphs = export_pipeline(models, shape, folder, log=sys.stderr)
     drafter = OrtDrafter(graphs["drafter_tree"], shape, threads)
     eos = models.eos_ids
     decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
@@ -209,10 +249,14 @@ def main(argv=None) -> int:
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
-              "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "results": results}
+              "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
+              "results": results}
     print(f"\n{report['drafter_variant']} drafter, tree {tuple(report['tree'])}, {args.max_new_tokens} new tokens, "
           f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     print(format_table(results))
+    if tree_sweep:
+        print("tree sweep (held-out MT-bench prompts, speculative tok/s): " + ", ".join(
+            f"{tuple(r['tree'])} {r['tokens_per_second']:.1f} (accept {r['mean_accept_length']:.2f})" for r in tree_sweep))
     print(f"peak RSS {peak_rss_gb():.2f} GB")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "bench.json.tmp"

@@ -119,17 +119,24 @@ def test_bench_cli_measures_three_modes_on_the_same_prompts(tmp_path, capsys):
     shipped drafter: identical greedy tokens, a time split that adds up, and a cost breakdown
     whose break-even acceptance is the iteration cost in autoregressive steps."""
     from eagle_trt import bench
-    rc = bench.main(["--workloads", "mtbench", "--prompts", "1", "--max-new-tokens", "12", "--tree", "3,2,4",
+    rc = bench.main(["--workloads", "mtbench", "--prompts", "1", "--max-new-tokens", "12", "--sweep-prompts", "1",
+                     "--tree-candidates", "2,1,2;3,2,4",
                      "--threads", "1", "--onnx-dir", str(tmp_path / "graphs"), "--out", str(tmp_path / "b")])
     assert rc == 0
     report = json.loads((tmp_path / "b" / "bench.json").read_text())
     (r,) = report["results"]
+    sweep = report["tree_sweep"]
+    assert sorted(s["tree"] for s in sweep) == [[2, 1, 2], [3, 2, 4]] and report["tree"] == sweep[0]["tree"]
+    assert sweep[0]["tokens_per_second"] >= sweep[1]["tokens_per_second"]
     assert r["identical_outputs"] == 1
     assert len({r["modes"][m]["tokens"] for m in bench.MODES}) == 1 and 0 < r["modes"]["speculative"]["tokens"] <= 12
     assert sum(r["time_split"].values()) == pytest.approx(1.0) and 0 < r["time_split"]["host"] < 1
     c = r["cost"]
     assert c["iteration_ms"] == pytest.approx(c["draft_call_ms"] + c["verify_call_ms"] + c["host_ms_per_iteration"])
     assert c["break_even_accept_length"] == pytest.approx(c["iteration_ms"] / c["autoregressive_step_ms"])
-    assert 1.0 <= r["mean_accept_length"] <= 4.0
+    assert 1.0 <= r["mean_accept_length"] <= report["tree"][0] + 1
     assert (tmp_path / "b" / "speedup.png").stat().st_size > 0 and (tmp_path / "b" / "acceptance_per_depth.png").is_file()
-    assert "where the time goes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "where the time goes" in out and "tree sweep" in out
+    assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
+    assert "expected depth,top_k,total_tokens" in capsys.readouterr().err

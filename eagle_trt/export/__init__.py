@@ -16,23 +16,27 @@ __all__ = ["ExportedGraph", "UnsupportedGraph", "check_graph", "export_drafter_s
 
 
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
-                    log: TextIO | None = sys.stderr) -> dict[str, Path]:
+                    log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export target + drafter-tree graphs (and optionally the single-step drafter graphs)
-    into out_dir, skipping graphs whose recorded export key matches. Returns name -> path."""
+    into out_dir, skipping graphs whose recorded export key matches; `only` names a subset.
+    The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
+    another tree shape re-exports only the drafter graph. Returns name -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = {"target": str(models.target.folder), "drafter": models.drafter_source, "dtype": dtype,
-           "shape": [shape.depth, shape.top_k, shape.total_tokens],
-           "capture": list(models.target.model.capture_streams)}
+    base = {"target": str(models.target.folder), "dtype": dtype, "capture": list(models.target.model.capture_streams)}
+    drafter_key = dict(base, drafter=models.drafter_source)
     stamp = out_dir / "export.json"
     previous = json.loads(stamp.read_text()) if stamp.is_file() else {}
-    jobs = {"target": lambda p: export_target(models.target.model, p, dtype),
-            "drafter_tree": lambda p: export_drafter_tree(models.drafter, shape, p, dtype)}
+    jobs = {"target": (base, lambda p: export_target(models.target.model, p, dtype)),
+            "drafter_tree": (dict(drafter_key, shape=[shape.depth, shape.top_k, shape.total_tokens]),
+                             lambda p: export_drafter_tree(models.drafter, shape, p, dtype))}
     if step_graphs:
-        jobs["drafter_step_first"] = lambda p: export_drafter_step(models.drafter, p, True, dtype)
-        jobs["drafter_step"] = lambda p: export_drafter_step(models.drafter, p, False, dtype)
+        jobs["drafter_step_first"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, True, dtype))
+        jobs["drafter_step"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, False, dtype))
     paths = {}
-    for name, job in jobs.items():
+    for name, (key, job) in jobs.items():
+        if only is not None and name not in only:
+            continue
         path = out_dir / f"{name}.onnx"
         paths[name] = path
         if previous.get(name) == key and path.is_file():
