@@ -1,0 +1,58 @@
+"""Copy trained drafters from their run folders into eagle_trt/drafters/ with a compact train log
+(the run's args, data, vocabulary and final eval, and the log entries of every 50th step).
+
+    python scripts/ship_drafters.py ~/.cache/eagle_trt/runs/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3.1 \
+        --note "400 steps on a 600-step schedule, then resumed to 800"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def compact_log(run: Path, every: int = 50) -> dict:
+    log = json.loads((run / "train_log.json").read_text())
+    if not log.get("finished"):
+        raise SystemExit(f"{run / 'train_log.json'}: the run has not finished (step {log.get('step')})")
+    entries = log.pop("log")
+    log["log_every_50"] = [e for e in entries if e["step"] % every == 0]
+    return log
+
+
+def ship(run: Path, dest: Path, note: str | None) -> None:
+    src = run / "drafter"
+    for name in ("config.json", "model.safetensors"):
+        if not (src / name).is_file():
+            raise SystemExit(f"{src / name}: missing; finish the run first (python -m eagle_trt.train ... --resume)")
+    log = compact_log(run)
+    if note:
+        log["note"] = note
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(src / name, tmp / name)
+    (tmp / "train_log.json").write_text(json.dumps(log, indent=1))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    size = (dest / "model.safetensors").stat().st_size / 2 ** 20
+    print(f"{dest}: step {log['step']}, {size:.1f} MiB, final eval acc {log.get('final_eval', {}).get('eval_acc')}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path)
+    p.add_argument("dest", type=Path)
+    p.add_argument("--note", default=None)
+    args = p.parse_args(argv)
+    ship(args.run, args.dest, args.note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
