@@ -20,6 +20,9 @@ def compact_log(run: Path, every: int = 50) -> dict:
         raise SystemExit(f"{run / 'train_log.json'}: the run has not finished (step {log.get('step')})")
     entries = log.pop("log")
     log["log_every_50"] = [e for e in entries if e["step"] % every == 0]
+    last = next((e for e in reversed(entries) if "eval_acc" in e), None)
+    if last is not None:
+        log["final_eval"] = {k: last[k] for k in ("step", "eval_loss", "eval_acc")}
     return log
 
 

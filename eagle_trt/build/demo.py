@@ -32,6 +32,8 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
     target = OrtTarget(manifest.artifact("export/target.onnx"), resolved["target"]["max_context"])
     drafter = OrtDrafter(manifest.artifact("export/drafter_tree.onnx"), cfg.tree.shape)
+    # the baseline runs alone, so it gets its fastest thread setting (spinning workers)
+    ar_target = OrtTarget(manifest.artifact("export/target.onnx"), resolved["target"]["max_context"], spin=True)
     eos = set(resolved["target"]["eos_ids"]) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     decoder = SpeculativeDecoder(target, drafter, eos, resolved["target"]["vocab_size"])
     spec_n = ar_n = 0
@@ -40,7 +42,7 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     for prompt in PROMPTS:
         ids = encode_prompt(tokenizer, prompt, chat=True)
         spec = decoder.generate(ids, max_new_tokens)
-        ar = generate_autoregressive(target, ids, max_new_tokens, eos)
+        ar = generate_autoregressive(ar_target, ids, max_new_tokens, eos)
         same = spec.tokens == ar.tokens
         identical &= same
         first = first or spec.tokens
