@@ -55,9 +55,9 @@ class DrafterSection:
 
 @dataclass(frozen=True)
 class TreeSection:
-    depth: int = 5
-    top_k: int = 4
-    total_tokens: int = 16
+    depth: int = 3
+    top_k: int = 2
+    total_tokens: int = 4
 
     @property
     def shape(self) -> TreeShape:
@@ -130,7 +130,7 @@ class ProfileSection:
 @dataclass(frozen=True)
 class ProfilesSection:
     prefill: ProfileSection = ProfileSection(1, 128, 512, 0, 0, 0)
-    verify: ProfileSection = ProfileSection(1, 17, 17, 1, 256, 1024)
+    verify: ProfileSection = ProfileSection(1, 5, 5, 1, 256, 1024)
     drafter: ProfileSection = ProfileSection(1, 6, 512, 0, 256, 1024)
 
 
