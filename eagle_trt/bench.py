@@ -15,12 +15,12 @@ the outputs of the three were identical. Prints a table, writes bench.json and t
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 import json
 import os
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,16 +47,32 @@ def parse_tree(text: str) -> TreeShape:
     return TreeShape(*(int(x) for x in parts)).validate()
 
 
+@contextmanager
+def torch_threads(n: int):
+    """The decoding loops' host work (argmax / sampling on logits) runs on one torch thread: idle
+    OpenMP workers spin after a parallel op and would take cores from ONNX Runtime's threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def drafter_graph(models, shape: TreeShape, folder: Path) -> Path:
+    """The drafter-tree graph for `shape`, one folder per shape (exported once, then reused)."""
+    sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
+    return export_pipeline(models, shape, sub, log=sys.stderr, only=("drafter_tree",))["drafter_tree"]
+
+
 def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTarget, prompts: list[list[int]],
                 max_new_tokens: int, threads: int | None) -> list[dict]:
     """Speculative tokens/s of each tree shape on the same target session and prompts (kept apart
     from the measured ones), fastest first. Only the drafter graph is exported per shape."""
     rows = []
     for shape in candidates:
-        sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-        graph = export_pipeline(models, shape, sub, log=None, only=("drafter_tree",))["drafter_tree"]
-        decoder = SpeculativeDecoder(target, OrtDrafter(graph, shape, threads), models.eos_ids,
-                                     models.target.config.vocab_size)
+        drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
+        decoder = SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size)
         with torch_threads(1):
             decoder.generate(prompts[0], 8)
             runs = [decoder.generate(ids, max_new_tokens) for ids in prompts]
@@ -90,18 +106,6 @@ class HFBaseline:
         tokens = out[0, len(ids):].tolist()
         cut = next((i for i, t in enumerate(tokens) if t in eos), None)
         return (tokens if cut is None else tokens[: cut + 1]), seconds
-
-
-@contextmanager
-def torch_threads(n: int):
-    """The decoding loops' host work (argmax / sampling on logits) runs on one torch thread: idle
-    OpenMP workers spin after a parallel op and would take cores from ONNX Runtime's threads."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target: OrtTarget, target: OrtTarget,
@@ -141,12 +145,12 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target:
     # iteration costs (draft + verify + host) and must emit that many autoregressive steps' worth
     # of tokens to break even.
     ar_ms = 1e3 * rows["autoregressive"]["seconds"] / calls["autoregressive"]
-    host_s = spec_s - split["drafter_graph"] - split["target_graph"]
-    iteration_ms = 1e3 * (split["drafter_graph"] / calls["drafter"] + split["target_graph"] / calls["verify"]
-                          + host_s / calls["drafter"])
-    cost = {"autoregressive_step_ms": ar_ms, "draft_call_ms": 1e3 * split["drafter_graph"] / calls["drafter"],
-            "verify_call_ms": 1e3 * split["target_graph"] / calls["verify"],
-            "host_ms_per_iteration": 1e3 * host_s / calls["drafter"], "iteration_ms": iteration_ms,
+    draft_ms = 1e3 * split["drafter_graph"] / calls["drafter"]
+    verify_ms = 1e3 * split["target_graph"] / calls["verify"]
+    host_ms = 1e3 * (spec_s - split["drafter_graph"] - split["target_graph"]) / calls["drafter"]
+    iteration_ms = draft_ms + verify_ms + host_ms
+    cost = {"autoregressive_step_ms": ar_ms, "draft_call_ms": draft_ms, "verify_call_ms": verify_ms,
+            "host_ms_per_iteration": host_ms, "iteration_ms": iteration_ms,
             "break_even_accept_length": iteration_ms / ar_ms, "accept_length_for_1.8x": 1.8 * iteration_ms / ar_ms}
     return {"workload": name, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "modes": rows, "mean_accept_length": sum(accepts) / max(len(accepts), 1),
@@ -251,8 +255,7 @@ def main(argv=None) -> int:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)
         tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads)
     shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
-    graphs = export_pipeline(models, shape, folder, log=sys.stderr)
-    drafter = OrtDrafter(graphs["drafter_tree"], shape, threads)
+    drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
     eos = models.eos_ids
     decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
     hf = HFBaseline(models.target.folder)

@@ -34,9 +34,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     counts = [int(t) for t in args.tokens.split(",")]
-    target = OrtTarget(args.graph, args.context + max(counts) + 1, args.threads or None, spin=True)
+    capacity = args.context + max(counts) + 1
+    target = OrtTarget(args.graph, capacity, args.threads or None, spin=True)
     gen = torch.Generator().manual_seed(0)
-    target.reset(args.context + max(counts) + 1)
+    target.reset(capacity)
     prompt = torch.randint(0, 1000, (args.context,), generator=gen)
     target.forward(prompt, torch.arange(args.context), causal_mask(args.context, 0)[0], last_only=True)
     target.commit(list(range(args.context)))

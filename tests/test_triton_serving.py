@@ -213,13 +213,13 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path):
 
     data = tiny_config(write_tiny_target(tmp_path / "target"), parity={"enabled": False},
                        precision={"target": {"format": "fp8", "base": "fp32"}, "drafter": {"format": "fp8", "base": "fp32"}})
-    m = build(config_from_dict(data, "tiny fp8"), tmp_path / "out", log=None)
+    cfg = config_from_dict(data, "tiny fp8")
+    m = build(cfg, tmp_path / "out", log=None)
     settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
     assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
-    shape = config_from_dict(data, "tiny fp8").tree.shape
     target, drafter = fp8_backends(m.artifact("quantize/target.fp8.onnx"), m.artifact("quantize/drafter_tree.fp8.onnx"),
-                                   shape, resolved["target"]["max_context"], threads=1)
+                                   cfg.tree.shape, resolved["target"]["max_context"], threads=1)
     eos = resolved["target"]["eos_ids"]
     prompt = list(range(5, 25))
     expected = SpeculativeDecoder(target, drafter, eos).generate(prompt, 8).tokens
