@@ -1,71 +1,17 @@
 """Typed model configs: the Llama-family target, the EAGLE-3 / 3.1 drafter, the captured
 layers and the draft-tree shape. Each config is built from a Hugging Face style config.json
-dict and says which file a bad value came from."""
+dict through hfconfig.Keys: keys that change the arithmetic are implemented or refused, and
+errors name the file a bad value came from."""
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .hfconfig import (FAMILY_DEFAULTS, Arch, ConfigError, Keys, arch_to_hf, model_type, read_arch, read_json,
+                       read_rope)
 
 Convention = Literal["layer_input", "layer_output"]
-
-
-class ConfigError(ValueError):
-    """A config value is missing, has the wrong type, or does not fit its partner model."""
-
-
-def read_json(path: Path, error: type[Exception] = ConfigError, what: str = "file",
-              expected: str = "a JSON object at top level") -> dict:
-    """A JSON object from `path`; any problem raises `error` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise error(f"{path}: {what} not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise error(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: expected {expected}")
-    return data
-
-
-def _get(d: dict, key: str, kind: type | tuple, source: str, default: Any = ...) -> Any:
-    if key not in d or d[key] is None:
-        if default is ...:
-            raise ConfigError(f"{source}: missing key '{key}'")
-        return default
-    value = d[key]
-    # bool is an int subclass; refuse True where a size is expected.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ConfigError(f"{source}: key '{key}' must be {kind}, got {value!r}")
-    if kind is float and isinstance(value, int):
-        value = float(value)
-    if not isinstance(value, kind):
-        raise ConfigError(f"{source}: key '{key}' must be {kind}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _rope_from_hf(d: dict, source: str) -> tuple[float, dict | None]:
-    """transformers <5 writes rope_theta + rope_scaling; >=5 writes rope_parameters."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-        kind = params.get("rope_type", "default")
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = _get(d, "rope_theta", float, source, 10000.0)
-        scaling = d.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("llama3", "linear", "default"):
-            raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported (llama3, linear)")
-        if kind == "default":
-            scaling = None
-        else:
-            scaling = dict(scaling, rope_type=kind)
-    return theta, scaling
 
 
 @dataclass(frozen=True)
@@ -100,6 +46,33 @@ class CaptureLayers:
                                   f"{num_layers} decoder layers")
 
 
+def _read_layer(k: Keys, family: str) -> dict:
+    """The decoder-layer shape shared by targets and drafters, with the family's defaults."""
+    defaults = FAMILY_DEFAULTS[family]
+    hidden = k.get("hidden_size", int)
+    heads = k.get("num_attention_heads", int)
+    max_pos = k.get("max_position_embeddings", int, defaults["max_position_embeddings"])
+    theta, scaling = read_rope(k, max_pos, defaults["rope_theta"])
+    layer = dict(hidden_size=hidden, intermediate_size=k.get("intermediate_size", int), num_attention_heads=heads,
+                 num_key_value_heads=k.get("num_key_value_heads", int, heads),
+                 head_dim=k.get("head_dim", int, defaults.get("head_dim", hidden // heads)),
+                 rms_norm_eps=k.get("rms_norm_eps", float, defaults["rms_norm_eps"]), rope_theta=theta,
+                 rope_scaling=scaling, max_position_embeddings=max_pos)
+    if heads % layer["num_key_value_heads"]:
+        raise ConfigError(f"{k.source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                          f"{layer['num_key_value_heads']}")
+    return layer
+
+
+def _layer_hf(cfg) -> dict:
+    """The config.json keys of the shared layer shape (the inverse of _read_layer)."""
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "max_position_embeddings": cfg.max_position_embeddings}
+
+
 @dataclass
 class TargetConfig:
     vocab_size: int
@@ -116,57 +89,43 @@ class TargetConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    arch: Arch = field(default_factory=Arch)   # family switches: biases, q/k norm, sliding window, RoPE-less layers
     source: str = "<memory>"
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "<memory>") -> "TargetConfig":
-        arch = d.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2", "smollm", "smollm3"):
-            raise ConfigError(f"{source}: model_type {arch!r} is not a Llama-family model")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (silu)")
-        hidden = _get(d, "hidden_size", int, source)
-        heads = _get(d, "num_attention_heads", int, source)
-        eos = d.get("eos_token_id")
+        k = Keys(d, source)
+        family = model_type(k)
+        layers = k.get("num_hidden_layers", int)
+        eos = k.raw("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        theta, scaling = _rope_from_hf(d, source)
-        cfg = cls(
-            vocab_size=_get(d, "vocab_size", int, source),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", int, source),
-            num_hidden_layers=_get(d, "num_hidden_layers", int, source),
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", int, source, heads),
-            head_dim=_get(d, "head_dim", int, source, hidden // heads),
-            rms_norm_eps=_get(d, "rms_norm_eps", float, source, 1e-5),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=_get(d, "max_position_embeddings", int, source, 2048),
-            tie_word_embeddings=_get(d, "tie_word_embeddings", bool, source, False),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            source=source,
-        )
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of "
-                              f"num_key_value_heads {cfg.num_key_value_heads}")
+        cfg = cls(vocab_size=k.get("vocab_size", int), num_hidden_layers=layers, **_read_layer(k, family),
+                  tie_word_embeddings=k.get("tie_word_embeddings", bool, FAMILY_DEFAULTS[family]["tie_word_embeddings"]),
+                  bos_token_id=k.raw("bos_token_id"), eos_token_ids=eos_ids, arch=read_arch(k, family, layers),
+                  source=source)
+        k.refuse_unread(f"model_type {family!r} targets")
         return cfg
 
     def to_hf(self) -> dict:
-        d = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
+        arch = self.arch.model_type
+        return {
+            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[arch]],
+            **arch_to_hf(self.arch, self.num_hidden_layers), **_layer_hf(self),
+            "vocab_size": self.vocab_size, "num_hidden_layers": self.num_hidden_layers,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        return d
+
+
+# Drafter config keys that do not change the arithmetic: speculators' bookkeeping, training-only
+# settings, and the layer's own tie flag (a drafter's lm_head is its own draft-vocabulary head).
+DRAFTER_NEUTRAL = frozenset({"speculators_version", "speculators_config", "embed_requires_grad",
+                             "tie_word_embeddings"})
+# ModelOpt's eagle_config: switches whose only implemented value is the EAGLE-3 arithmetic.
+MODELOPT_REQUIRED = {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+                     "use_aux_hidden_state": True, "use_mtp_layernorm": False, "parallel_draft_step": 1}
+MODELOPT_NEUTRAL = frozenset({"next_layer_regular", "parallel_draft_heads_num_layers"})
 
 
 @dataclass
@@ -191,6 +150,7 @@ class DrafterConfig:
     norm_before_fc: bool = False        # one RMSNorm over the whole concat before fc
     norm_output: bool = False           # EAGLE 3.1: feed back the post-norm state
     norm_before_residual: bool = False  # residual is hidden_norm(f) instead of f
+    arch: Arch = field(default_factory=Arch)   # the decoder layer's family (Qwen3 layers: q/k norm)
     source: str = "<memory>"
 
     @property
@@ -199,55 +159,56 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "<memory>") -> "DrafterConfig":
+        top = Keys(d, source)
         # speculators nests the layer shape under transformer_layer_config.
-        layer = d.get("transformer_layer_config") if isinstance(d.get("transformer_layer_config"), dict) else d
-        eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
-        hidden = _get(layer, "hidden_size", int, source)
-        heads = _get(layer, "num_attention_heads", int, source)
-        vocab = _get(layer, "vocab_size", int, source)
-        theta, scaling = _rope_from_hf(layer, source)
-        aux = d.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+        nested = top.raw("transformer_layer_config")
+        layer = Keys(nested, source, "transformer_layer_config.") if isinstance(nested, dict) else top
+        family = model_type(layer)
+        shape = _read_layer(layer, family)
+        vocab = layer.get("vocab_size", int)
+        depth = layer.get("num_hidden_layers", int, 1)
+        if depth != 1:
+            raise ConfigError(f"{source}: key '{layer.prefix}num_hidden_layers' is {depth}: only one-layer EAGLE-3 "
+                              f"drafters are implemented")
+        arch = read_arch(layer, family, 1)
+        if arch.sliding_layers or arch.nope_layers:
+            raise ConfigError(f"{source}: the drafter layer uses a sliding window or skips RoPE; only full-attention "
+                              f"RoPE drafter layers are implemented")
+        kind = top.raw("speculators_model_type", "eagle3")
+        if kind != "eagle3":
+            raise ConfigError(f"{source}: speculators_model_type {kind!r} is not supported (eagle3)")
+        eagle_d = top.raw("eagle_config")
+        eagle = Keys(eagle_d if isinstance(eagle_d, dict) else {}, source, "eagle_config.")
+        for key, value in MODELOPT_REQUIRED.items():
+            eagle.require(key, value, "the EAGLE-3 drafter step")
+        aux = top.raw("eagle_aux_hidden_state_layer_ids")
+        from_eagle = aux is None
+        aux = aux if aux is not None else eagle.raw("eagle_aux_hidden_state_layer_ids")
         capture = None
         if aux is not None:
             if not (isinstance(aux, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in aux)):
                 raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids must be a list of ints, got {aux!r}")
             # Our own writer states the convention; checkpoints from the EAGLE / vLLM /
             # speculators ecosystem number by layer input, ModelOpt exports by layer output.
-            conv = d.get("aux_hidden_state_layer_convention",
-                         "layer_output" if "eagle_config" in d and "eagle_aux_hidden_state_layer_ids" not in d
-                         else "layer_input")
+            conv = top.raw("aux_hidden_state_layer_convention", "layer_output" if from_eagle else "layer_input")
             capture = CaptureLayers(tuple(aux), conv)
-        num_aux = _get(d, "num_aux_hidden_states", int, source, len(aux) if aux else 3)
+        num_aux = top.get("num_aux_hidden_states", int, len(aux) if aux else 3)
         if capture is not None and len(capture.layer_ids) != num_aux:
             raise ConfigError(f"{source}: num_aux_hidden_states is {num_aux} but eagle_aux_hidden_state_layer_ids "
                               f"lists {len(capture.layer_ids)} layers")
-        norm_output = bool(d.get("norm_output", eagle.get("return_hidden_post_norm", False)))
-        cfg = cls(
-            hidden_size=hidden,
-            intermediate_size=_get(layer, "intermediate_size", int, source),
-            num_attention_heads=heads,
-            num_key_value_heads=_get(layer, "num_key_value_heads", int, source, heads),
-            head_dim=_get(layer, "head_dim", int, source, hidden // heads),
-            vocab_size=vocab,
-            draft_vocab_size=_get(d, "draft_vocab_size", int, source, vocab),
-            target_hidden_size=_get(d, "target_hidden_size", int, source, hidden),
-            num_aux_hidden_states=num_aux,
-            rms_norm_eps=_get(layer, "rms_norm_eps", float, source, 1e-5),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=_get(layer, "max_position_embeddings", int, source, 2048),
-            capture=capture,
-            fc_norm=_get(d, "fc_norm", bool, source, False),
-            norm_before_fc=_get(d, "norm_before_fc", bool, source, bool(eagle.get("norm_before_fc", False))),
-            norm_output=norm_output,
-            norm_before_residual=_get(d, "norm_before_residual", bool, source, False),
-            source=source,
-        )
+        norm_output = top.get("norm_output", bool, eagle.get("return_hidden_post_norm", bool, False))
+        norm_before_fc = top.get("norm_before_fc", bool, eagle.get("norm_before_fc", bool, False))
+        cfg = cls(**shape, vocab_size=vocab, draft_vocab_size=top.get("draft_vocab_size", int, vocab),
+                  target_hidden_size=top.get("target_hidden_size", int, shape["hidden_size"]),
+                  num_aux_hidden_states=num_aux, capture=capture, fc_norm=top.get("fc_norm", bool, False),
+                  norm_before_fc=norm_before_fc, norm_output=norm_output,
+                  norm_before_residual=top.get("norm_before_residual", bool, False), arch=arch, source=source)
+        top.refuse_unread("EAGLE-3 drafter configs", DRAFTER_NEUTRAL)
+        if layer is not top:
+            layer.refuse_unread(f"model_type {family!r} drafter layers", DRAFTER_NEUTRAL)
+        eagle.refuse_unread("ModelOpt's eagle_config", MODELOPT_NEUTRAL)
         if cfg.fc_norm and cfg.norm_before_fc:
             raise ConfigError(f"{source}: fc_norm and norm_before_fc are exclusive (per-chunk vs whole-concat norm)")
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                              f"{cfg.num_key_value_heads}")
         if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
             raise ConfigError(f"{source}: draft_vocab_size {cfg.draft_vocab_size} must be in 1..vocab_size {vocab}")
         return cfg
@@ -255,14 +216,9 @@ class DrafterConfig:
     def to_hf(self) -> dict:
         """SafeAILab layout config.json, plus the 3.1 flags and the captured layers."""
         d = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "architectures": ["LlamaForCausalLMEagle3"], **arch_to_hf(self.arch, 1), **_layer_hf(self),
+            "num_hidden_layers": 1, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "num_aux_hidden_states": self.num_aux_hidden_states,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
             "fc_norm": self.fc_norm, "norm_before_fc": self.norm_before_fc, "norm_output": self.norm_output,
             "norm_before_residual": self.norm_before_residual, "tie_word_embeddings": False,
         }
@@ -332,5 +288,5 @@ class SamplingConfig:
         return self
 
 
-__all__ = ["CaptureLayers", "ConfigError", "DrafterConfig", "SamplingConfig", "TargetConfig", "TreeShape",
+__all__ = ["Arch", "CaptureLayers", "ConfigError", "DrafterConfig", "SamplingConfig", "TargetConfig", "TreeShape",
            "read_json"]

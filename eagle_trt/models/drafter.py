@@ -27,9 +27,11 @@ class DrafterLayer(nn.Module):
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(2 * H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, H)
+        # The layer follows its family (speculators writes Qwen3 layers with q_norm / k_norm).
+        self.self_attn = Attention(2 * H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, H,
+                                   cfg.arch, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size)
+        self.mlp = MLP(H, cfg.intermediate_size, cfg.arch.mlp_bias)
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Llama-family target model written for export.
+"""Llama-family target model written for export: Llama, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM3
+decoder layers, one class each, switched by `TargetConfig.arch` (biases, q/k norm, sliding
+window, RoPE-less layers); RoPE default / linear / llama3 / yarn.
 
 Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer in
 [B, S, Hkv, D] layout (a committed prefix of a preallocated cache is then a contiguous view)
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import CaptureLayers, TargetConfig
+from ..config import Arch, CaptureLayers, TargetConfig
 
 
 class RMSNorm(nn.Module):
@@ -32,15 +34,28 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / wavelengths
     if scaling is None:
         return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / float(scaling["factor"])
-    # llama3: long wavelengths divided by `factor`, short ones kept, smooth blend between.
     factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
     old_ctx = float(scaling["original_max_position_embeddings"])
+    if scaling["rope_type"] == "yarn":
+        # Interpolate (divide by factor) the low frequencies, keep the high ones, linear ramp
+        # between the dimensions that make beta_fast and beta_slow turns over the original context.
+        def turns_dim(turns: float) -> float:
+            return head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = turns_dim(scaling["beta_fast"]), turns_dim(scaling["beta_slow"])
+        if scaling["truncate"]:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        return 1.0 / (factor * wavelengths) * ramp + inv_freq * (1 - ramp)   # transformers' operation order
+    # llama3: long wavelengths divided by `factor`, short ones kept, smooth blend between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -54,11 +69,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        # YaRN scales cos and sin (so q.k by its square) to keep attention entropy across the longer context.
+        self.attention_factor = float((scaling or {}).get("attention_factor", 1.0))
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids.float()[..., None] * self.inv_freq          # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                           # [B, T, D]
-        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]  # [B, T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, :, None], sin.to(dtype)[:, :, None]       # [B, T, 1, D]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -68,22 +88,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """GQA attention from plain ops (MatMul / Softmax / mask), so every backend runs it."""
+    """GQA attention from plain ops (MatMul / Softmax / mask), so every backend runs it.
+    The family's switches: q/k/v and o biases, a per-head RMSNorm on q and k before RoPE
+    (Qwen3), and layers without RoPE (SmolLM3)."""
 
-    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, out_features: int):
+    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, out_features: int,
+                 arch: Arch = Arch(), eps: float = 1e-6, rope: bool = True):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope = num_heads, num_kv_heads, head_dim, rope
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.qk_norm = arch.qk_norm
         self.record_probs, self.last_probs = False, None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         keys = torch.cat((past_k, k), dim=1).transpose(1, 2)              # [B, Hkv, P+T, D]
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
@@ -103,24 +133,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, cfg.hidden_size)
+                                   cfg.head_dim, cfg.hidden_size, cfg.arch, cfg.rms_norm_eps,
+                                   rope=index not in cfg.arch.nope_layers)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.arch.mlp_bias)
 
     def forward(self, h, cos, sin, mask, past_k, past_v):
         attn, k, v = self.self_attn(self.input_layernorm(h), cos, sin, mask, past_k, past_v)
@@ -141,7 +172,7 @@ class LlamaTarget(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -165,12 +196,15 @@ class LlamaTarget(nn.Module):
         """logits_index [K] selects the positions that get logits (prefill needs only the last)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
+        window = self.cfg.arch.sliding_window
+        windowed = None if window is None else attention_mask & window_mask(position_ids, past_k[0].shape[1], window)
         streams: dict[int, Tensor] = {}
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             if i in self.capture_streams:
                 streams[i] = h
-            h, k, v = layer(h, cos, sin, attention_mask, past_k[i], past_v[i])
+            mask = windowed if i in self.cfg.arch.sliding_layers else attention_mask
+            h, k, v = layer(h, cos, sin, mask, past_k[i], past_v[i])
             new_k.append(k)
             new_v.append(v)
         streams[len(self.layers)] = h
@@ -186,3 +220,13 @@ def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:
     cols = torch.arange(past + new_tokens, device=device)[None, :]
     rows = torch.arange(new_tokens, device=device)[:, None] + past
     return (cols <= rows)[None]
+
+
+def window_mask(position_ids: Tensor, past: int, window: int) -> Tensor:
+    """Boolean [B, T, P + T]: key j is within the sliding window of query i when
+    pos(i) - pos(j) < window (transformers' rule). The P cached rows sit at positions 0..P-1
+    (the cache holds the committed sequence in order); the new rows, tree nodes included, at
+    their position_ids. Computed in the graph, so the runtimes pass the usual mask."""
+    q = position_ids[:, :, None]
+    cached = torch.arange(past, device=position_ids.device)[None, None, :]
+    return torch.cat((q - cached < window, q - position_ids[:, None, :] < window), dim=-1)
