@@ -82,13 +82,17 @@ def prepare_models(target_spec: str, drafter_path: str | None, dtype: str = "flo
         drafter_path = default_drafter_path(str(target_spec))
     if drafter_path is None:
         # No trained drafter for this target: write a random EAGLE 3.1 one and load it back
-        # through the ordinary checkpoint path, so the demo exercises the real loader.
-        tmp = Path(tempfile.mkdtemp(prefix="eagle_trt_random_drafter_")) / "drafter"
-        save_drafter(random_drafter(target, "eagle3.1", draft_vocab_size=min(8192, target.config.vocab_size)), tmp)
-        drafter_path, source = tmp, f"random EAGLE 3.1 (untrained) at {tmp}"
+        # through the ordinary checkpoint path, so the demo exercises the real loader; the
+        # temporary checkpoint is gone once loaded.
+        source = "random EAGLE 3.1 (untrained)"
+        with tempfile.TemporaryDirectory(prefix="eagle_trt_random_drafter_") as tmp:
+            folder = save_drafter(random_drafter(target, "eagle3.1",
+                                                 draft_vocab_size=min(8192, target.config.vocab_size)),
+                                  Path(tmp) / "drafter")
+            drafter = load_drafter(folder, target, DTYPES[dtype])
     else:
         source = str(drafter_path)
-    drafter = load_drafter(drafter_path, target, DTYPES[dtype])
+        drafter = load_drafter(drafter_path, target, DTYPES[dtype])
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     tokenizer = target.tokenizer()
     if log is not None:

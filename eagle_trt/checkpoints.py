@@ -98,12 +98,40 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
+def rename_tensors(tensors: dict[str, torch.Tensor], rename) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors under our module names, and each module name's name in the file."""
+    out, origin = {}, {}
+    for key, value in tensors.items():
+        name = rename(key)
+        out[name], origin[name] = value, key
+    return out, origin
+
+
+def _file_namer(origin: dict[str, str]):
+    """Module name -> the name this file would give it, learned from the names the file has:
+    per top-level module, the prefix the file uses in its place (`midlayer.` -> `layers.0.`,
+    `layers.` -> `model.layers.`)."""
+    heads: dict[str, tuple[str, str]] = {}
+    for name, key in origin.items():
+        common = 0
+        while common < min(len(name), len(key)) and name[-1 - common] == key[-1 - common]:
+            common += 1
+        heads.setdefault(name.split(".", 1)[0], (name[:len(name) - common], key[:len(key) - common]))
+
+    def file_name(name: str) -> str:
+        ours, theirs = heads.get(name.split(".", 1)[0], ("", ""))
+        return theirs + name[len(ours):] if name.startswith(ours) else name
+    return file_name
+
+
 def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
-               optional: tuple[str, ...] = ()) -> None:
-    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor."""
+               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
+    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
+    the file names it (`origin`: module name -> file name, from rename_tensors)."""
+    file_name = _file_namer(origin) if origin else (lambda name: name)
     expected = {k: v for k, v in module.state_dict().items()}
-    missing = sorted(k for k in expected if k not in tensors and k not in optional)
-    extra = sorted(k for k in tensors if k not in expected)
+    missing = sorted(file_name(k) for k in expected if k not in tensors and k not in optional)
+    extra = sorted(file_name(k) for k in tensors if k not in expected)
     if missing or extra:
         parts = []
         if missing:
@@ -113,7 +141,7 @@ def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source
         raise CheckpointError(f"{source}: " + "; ".join(parts))
     for name, value in tensors.items():
         if tuple(value.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(value.shape)}, "
+            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(value.shape)}, "
                                   f"the config implies {tuple(expected[name].shape)}")
     module.load_state_dict(tensors, strict=False)
 
@@ -188,12 +216,12 @@ def load_target(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedT
     folder = resolve_target(spec)
     cfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
     tensors, source = read_state_dict(folder)
-    tensors = {_HF_LAYER.sub("", k): v for k, v in tensors.items()}
+    tensors, origin = rename_tensors(tensors, lambda k: _HF_LAYER.sub("", k))
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the embedding is the head
     model = LlamaTarget(cfg)
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_exact(model, tensors, source, optional)
+    load_exact(model, tensors, source, optional, origin)
     return LoadedTarget(model.to(dtype).eval(), cfg, folder)
 
 
@@ -227,13 +255,13 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = to
     dcfg = DrafterConfig.from_hf(read_json(cfg_path), str(cfg_path))
     check_drafter_fits(dcfg, target.config)
     tensors, source = read_state_dict(folder)
-    tensors = {_canonical_drafter_key(k): v for k, v in tensors.items()}
+    tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
     drafter = EagleDrafter(dcfg)
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
         drafter.embed_tokens.weight = target.model.embed_tokens.weight
         drafter.embed_shared = True
     elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
-        raise CheckpointError(f"{source}: embed_tokens.weight has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
+        raise CheckpointError(f"{source}: tensor '{origin['embed_tokens.weight']}' has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
                               f"expected ({dcfg.vocab_size}, {dcfg.hidden_size})")
     if dcfg.draft_vocab_size == dcfg.vocab_size:
         optional_maps = ("d2t", "t2d")   # identity maps may be absent for a full vocabulary
@@ -243,7 +271,7 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = to
             raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
                                   f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
     optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
-    load_exact(drafter, tensors, source, optional)
+    load_exact(drafter, tensors, source, optional, origin)
     _check_d2t(drafter, source)
     if "t2d" not in tensors:
         drafter.t2d.zero_()

@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target checkpoint: a Hugging Face folder, a .gguf file, or 'smollm2' (default)")
     p.add_argument("--drafter", default=None,
                    help="EAGLE-3 / 3.1 drafter folder; default: the shipped drafter for smollm2 if present, "
-                        "else a random EAGLE 3.1 drafter written to a temporary checkpoint")
+                        "else a random EAGLE 3.1 drafter (written to a temporary checkpoint, loaded, removed)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
