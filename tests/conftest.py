@@ -16,21 +16,37 @@ from eagle_trt.models.drafter import EagleDrafter
 torch.set_num_threads(2)
 
 
+HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+
+
 def write_tiny_hf_target(folder: Path, *, vocab: int = 96, hidden: int = 64, layers: int = 6, heads: int = 4,
                          kv_heads: int = 2, rope_scaling: dict | None = None, tie: bool = False,
-                         seed: int = 0, max_pos: int = 512) -> Path:
-    """A random Llama checkpoint saved by transformers itself (config.json + model.safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                         seed: int = 0, max_pos: int = 512, family: str = "llama", extra: dict | None = None,
+                         std: float = 0.15) -> Path:
+    """A random checkpoint of `family` saved by transformers itself (config.json + model.safetensors).
+    Weights are larger than the init default (std), so logits are far from uniform; biases and
+    q/k norm weights are random too, so that each family feature changes the outputs."""
+    import transformers
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_FAMILIES[family])
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=rope_scaling, tie_word_embeddings=tie,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():   # larger weights than the init default, so logits are far from uniform
-        for p in model.parameters():
+    rope = {"rope_scaling": rope_scaling} if family == "llama" else {}
+    if family != "llama" and rope_scaling:
+        rope = {"rope_parameters": dict(rope_scaling, rope_theta=10000.0)}
+    cfg = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                     rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     **({"rope_theta": 10000.0} if family == "llama" else {}), **rope, **(extra or {}))
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.15)
+                p.normal_(0, std)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape))
     model.save_pretrained(str(folder))
     return folder
 
