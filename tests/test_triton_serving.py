@@ -199,7 +199,14 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offl
         stream.close()
 
 
-def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path):
+# Qwen3 (q/k norm, q/k/v/o biases, a sliding window on the last layers): the parity stage runs too.
+FP8_TARGETS = {"llama": {}, "qwen3": {"family": "qwen3", "extra": dict(head_dim=16, attention_bias=True,
+                                                                      use_sliding_window=True, sliding_window=8,
+                                                                      max_window_layers=4)}}
+
+
+@pytest.mark.parametrize("family", list(FP8_TARGETS))
+def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family):
     """An FP8 build (tiny target and drafter) served in-process: the model opens its FP8 graphs
     with the FP8 ONNX Runtime backends (weight DQs folded, 2-row padding), so its stream equals
     the offline FP8 runtime's tokens, which equal FP8 greedy decoding."""
@@ -211,10 +218,13 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path):
     from eagle_trt.quant.run import fp8_backends
     from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 
-    data = tiny_config(write_tiny_target(tmp_path / "target"), parity={"enabled": False},
+    parity = {"enabled": family != "llama"}
+    data = tiny_config(write_tiny_target(tmp_path / "target", **FP8_TARGETS[family]), parity=parity,
                        precision={"target": {"format": "fp8", "base": "fp32"}, "drafter": {"format": "fp8", "base": "fp32"}})
     cfg = config_from_dict(data, "tiny fp8")
     m = build(cfg, tmp_path / "out", log=None)
+    stages = {s["name"]: s["status"] for s in m.data["stages"]}
+    assert stages["parity"] == ("skipped" if family == "llama" else "ran"), stages
     settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
     assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())

@@ -84,7 +84,7 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
         if path is None:
             raise QuantError(f"{graph}: quantized node '{node.name}' has no QuantLinear in the reference model")
         with torch.no_grad():
-            expected = layers[path](torch.from_numpy(values[source]))
+            expected = layers[path](torch.from_numpy(values[source]), bias=False)   # the graph adds it after
         got = torch.from_numpy(values[node.output[0]])
         diff = (got - expected).float()
         denom = float(expected.norm()) or 1.0

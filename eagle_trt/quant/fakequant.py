@@ -22,8 +22,8 @@ from .formats import (fp8_dequantize, fp8_fake_quant, fp8_scale, fp8_weight, nvf
 
 
 class QuantLinear(nn.Module):
-    """A Linear layer with quantized weights and quantized inputs (no bias: Llama has none,
-    and a bias would stay in high precision, added after the MatMul as in the graph)."""
+    """A Linear layer with quantized weights and quantized inputs; a bias (Qwen2 q/k/v) stays in
+    high precision, added after the MatMul as in the graph."""
 
     def __init__(self, linear: nn.Linear, fmt: str, input_amax: float, per_channel: bool = True):
         super().__init__()
@@ -50,8 +50,9 @@ class QuantLinear(nn.Module):
             return fp8_fake_quant(x, self.input_scale).to(x.dtype)
         return nvfp4_fake_quant(x, self.input_scale, axis=-1).to(x.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.quantize_input(x), self.weight.to(x.dtype), self.bias)
+    def forward(self, x: Tensor, bias: bool = True) -> Tensor:
+        """bias=False: the MatMul alone, which is what a graph's MatMul node outputs."""
+        return F.linear(self.quantize_input(x), self.weight.to(x.dtype), self.bias if bias else None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
