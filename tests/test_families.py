@@ -9,6 +9,7 @@ generates something else, so the test would fail if the feature were ignored."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 
@@ -142,15 +143,197 @@ def test_family_configs_round_trip(case):
 
 
 def test_random_drafter_fallback_leaves_nothing_on_disk(tmp_path, monkeypatch):
+    from test_build_support import write_tiny_target
+
     from eagle_trt.api import prepare_models
-    from eagle_trt.checkpoints import CheckpointError
-    folder = write_tiny_hf_target(tmp_path / "target", family="qwen3", extra=dict(head_dim=16))
+    folder = write_tiny_target(tmp_path / "target", family="qwen3", extra=dict(head_dim=16))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    try:
-        models = prepare_models(str(folder), None)
-        assert models.drafter_source.startswith("random")
-    except CheckpointError as exc:   # the tiny checkpoint has no tokenizer: loaded after the drafter
-        assert "tokenizer" in str(exc)
+    models = prepare_models(str(folder), None)
+    assert models.drafter_source.startswith("random") and models.drafter.cfg.variant == "eagle3.1"
     assert list(scratch.iterdir()) == []
+
+
+# ============================================================================= drafter layers
+
+def _qwen3_layer_drafter(target):
+    """A drafter whose decoder layer is a Qwen3 layer (q_norm / k_norm), saved as speculators
+    writes it: `layers.0.*` keys, the layer shape under transformer_layer_config."""
+    import dataclasses
+
+    from eagle_trt.config import Arch
+    from eagle_trt.models.drafter import EagleDrafter
+    base = random_drafter(target, "eagle3.1", seed=2, draft_vocab_size=64)
+    cfg = dataclasses.replace(base.cfg, arch=Arch(model_type="qwen3", qk_norm=True))
+    drafter = EagleDrafter(cfg)
+    state = base.state_dict()
+    g = torch.Generator().manual_seed(3)
+    for name in ("midlayer.self_attn.q_norm.weight", "midlayer.self_attn.k_norm.weight"):
+        state[name] = 1.0 + 0.5 * torch.randn(cfg.head_dim, generator=g)
+    drafter.load_state_dict(state)
+    return drafter.eval()
+
+
+def _save_speculators(drafter, folder):
+    from safetensors.torch import save_file
+    c = drafter.cfg
+    folder.mkdir()
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v.contiguous() for k, v in drafter.state_dict().items()
+               if k != "embed_tokens.weight"}
+    save_file(tensors, str(folder / "model.safetensors"))
+    layer = {"model_type": "qwen3", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+             "head_dim": c.head_dim, "num_hidden_layers": 1, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+             "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
+             "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 1,
+             "tie_word_embeddings": True, "attention_dropout": 0.0}
+    config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "speculators_version": "0.3.0",
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy"},
+              "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
+              "target_hidden_size": c.target_hidden_size, "norm_before_residual": False, "fc_norm": True,
+              "norm_output": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory):
+    folder = write_tiny_hf_target(tmp_path_factory.mktemp("qwen3"), family="qwen3", vocab=VOCAB, layers=4, seed=5,
+                                  std=0.25, extra=dict(head_dim=16))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (30, 17)]
+    return load_target(folder), prompts, _greedy(_hf(folder), prompts)
+
+
+def test_qwen3_layer_drafter_in_speculators_layout_is_lossless(qwen3_target, tmp_path):
+    from eagle_trt.checkpoints import load_drafter
+    target, prompts, references = qwen3_target
+    drafter = _qwen3_layer_drafter(target)
+    loaded = load_drafter(_save_speculators(drafter, tmp_path / "spec"), target)
+    assert loaded.cfg.arch.qk_norm and hasattr(loaded.midlayer.self_attn, "q_norm")
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # The q/k norm weights are used: unit weights give other draft logits.
+    from test_checkpoints import drafter_outputs
+    plain = _qwen3_layer_drafter(target)
+    with torch.no_grad():
+        plain.midlayer.self_attn.q_norm.weight.fill_(1.0)
+    assert not torch.allclose(drafter_outputs(loaded)[0], drafter_outputs(plain)[0])
+    target.model.set_capture(loaded.cfg.capture_for(target.config))
+    check_planted_greedy(TorchTarget(target.model), TorchDrafter(loaded, SHAPE), prompts, references, eos=())
+
+
+def test_qwen3_layer_keys_under_a_llama_config_are_named_as_in_the_file(qwen3_target, tmp_path):
+    from eagle_trt.checkpoints import CheckpointError, load_drafter
+    target, _, _ = qwen3_target
+    folder = _save_speculators(_qwen3_layer_drafter(target), tmp_path / "spec")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["transformer_layer_config"]["model_type"] = "llama"
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
+        del cfg["transformer_layer_config"][key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['layers\.0\.self_attn\.k_norm\.weight'"):
+        load_drafter(folder, target)
+
+
+def test_modelopt_default_config_with_yarn_loads_and_is_lossless(qwen3_target, tmp_path):
+    """ModelOpt's EAGLE-3 exporter writes YaRN RoPE (factor 32, original 2048) and an
+    eagle_config block; both are read (YaRN as transformers computes it) and decode losslessly."""
+    from eagle_trt.checkpoints import load_drafter, save_drafter
+    target, prompts, references = qwen3_target
+    folder = save_drafter(random_drafter(target, "eagle3", seed=4, draft_vocab_size=64), tmp_path / "modelopt")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("aux_hidden_state_layer_convention", None)
+    L = target.config.num_hidden_layers
+    cfg.update(rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048},
+               eagle_config={"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4], "use_aux_hidden_state": True,
+                             "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+                             "use_mtp_layernorm": False, "next_layer_regular": True, "parallel_draft_step": 1,
+                             "parallel_draft_heads_num_layers": 1}, pretraining_tp=1, torch_dtype="bfloat16")
+    cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    drafter = load_drafter(folder, target)
+    assert drafter.cfg.rope_scaling["rope_type"] == "yarn"
+    assert drafter.rope.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
+    target.model.set_capture(drafter.cfg.capture_for(target.config))
+    check_planted_greedy(TorchTarget(target.model), TorchDrafter(drafter, SHAPE), prompts, references, eos=())
+
+
+# ============================================================================= refusals
+
+def _edit(cfg, **changes):
+    cfg.update(changes)
+
+
+# (family of the checkpoint, config edit, fragment the one-line error must name)
+REFUSALS = {
+    "unknown key": ("llama", lambda c: _edit(c, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
+    "quantized checkpoint": ("qwen3", lambda c: _edit(c, quantization_config={"quant_method": "fp8"}),
+                             "quantization_config"),
+    "dynamic rope": ("llama", lambda c: _edit(c, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                  "rope_theta": 10000.0}), "dynamic"),
+    "longrope": ("qwen2", lambda c: _edit(c, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                              "short_factor": [1.0], "long_factor": [1.0]}), "longrope"),
+    "unknown yarn key": ("qwen3", lambda c: _edit(c, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                      "rope_theta": 1e4, "low_freq": 2}), "low_freq"),
+    "partial rotary": ("llama", lambda c: _edit(c, partial_rotary_factor=0.5), "partial_rotary_factor"),
+    "gelu": ("llama", lambda c: _edit(c, hidden_act="gelu"), "hidden_act"),
+    "mistral layer_types": ("mistral", lambda c: _edit(c, layer_types=["full_attention"] * 4), "layer_types"),
+    "qwen2 mrope": ("qwen2", lambda c: _edit(c, use_mrope=True), "use_mrope"),
+    "moe": ("qwen3", lambda c: _edit(c, model_type="qwen3_moe"), "qwen3_moe"),
+    "sliding without a window": ("qwen3", lambda c: _edit(c, use_sliding_window=False, sliding_window=None,
+                                                          layer_types=["sliding_attention"] * 4), "layer_types"),
+    "bad no_rope_layers": ("smollm3", lambda c: _edit(c, no_rope_layers=[1, 0]), "no_rope_layers"),
+    "nested per-layer rope": ("llama", lambda c: _edit(c, rope_parameters={"full_attention": {"rope_type": "default"}}),
+                              "full_attention"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_unsupported_keys_are_refused_in_one_line(name, tmp_path, monkeypatch, capsys):
+    from eagle_trt.generate import main
+    family, edit, fragment = REFUSALS[name]
+    folder = write_tiny_hf_target(tmp_path / "target", family=family, layers=4,
+                                  extra=dict(head_dim=16) if family == "qwen3" else None)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    before = sorted(p.name for p in folder.iterdir())
+    scratch, cache = tmp_path / "tmp", tmp_path / "cache"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("EAGLE_TRT_CACHE", str(cache))
+    capsys.readouterr()   # transformers' own output while writing the checkpoint
+    code = main(["--target", str(folder), "--prompt", "hello", "--backend", "onnxruntime",
+                 "--onnx-dir", str(tmp_path / "onnx")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert fragment in err and str(folder / "config.json") in err, err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert not (tmp_path / "onnx").exists() and not cache.exists() and list(scratch.iterdir()) == []
+
+
+DRAFTER_REFUSALS = {
+    "two layers": (lambda c: _edit(c, num_hidden_layers=2), "num_hidden_layers"),
+    "no last layernorm": (lambda c: _edit(c, eagle_config={"use_last_layernorm": False}), "use_last_layernorm"),
+    "EAGLE-1 speculators": (lambda c: _edit(c, speculators_model_type="eagle"), "speculators_model_type"),
+    "unknown drafter key": (lambda c: _edit(c, num_eagle_features=1), "num_eagle_features"),
+    "sliding drafter layer": (lambda c: _edit(c, model_type="mistral", sliding_window=8), "sliding window"),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTER_REFUSALS))
+def test_unsupported_drafter_keys_are_refused(name, qwen3_target, tmp_path):
+    from eagle_trt.checkpoints import load_drafter, save_drafter
+    from eagle_trt.config import ConfigError
+    edit, fragment = DRAFTER_REFUSALS[name]
+    target, _, _ = qwen3_target
+    folder = save_drafter(random_drafter(target, "eagle3", seed=4, draft_vocab_size=64), tmp_path / "d")
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=fragment) as ei:
+        load_drafter(folder, target)
+    assert str(folder / "config.json") in str(ei.value) and "\n" not in str(ei.value)
