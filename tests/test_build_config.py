@@ -52,6 +52,26 @@ def test_llama_configs_load_with_checkpoint_paths_from_the_environment(path, mon
         assert (cfg.target.capture.convention, cfg.target.capture.layer_ids) == ("layer_input", (2, 16, 29))
 
 
+FAMILY_ENV = {"qwen3-8b": ("QWEN3_8B", "EAGLE3_QWEN3_8B"), "qwen2.5-7b": ("QWEN25_7B_INSTRUCT", "EAGLE3_QWEN25_7B"),
+              "mistral-7b": ("MISTRAL_7B_INSTRUCT", "EAGLE3_MISTRAL_7B"), "smollm3-3b": ("SMOLLM3_3B", "EAGLE3_SMOLLM3_3B")}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_ENV))
+def test_one_config_per_family_loads_with_paths_from_the_environment(family, monkeypatch):
+    path = CONFIGS / f"{family}-eagle3-fp8-hopper.yaml"
+    target_var, drafter_var = FAMILY_ENV[family]
+    monkeypatch.setenv(target_var, f"/models/{family}")
+    monkeypatch.setenv(drafter_var, f"/models/{family}-eagle3")
+    cfg = load_config(path)
+    assert cfg.target.source == f"/models/{family}" and cfg.drafter.source == f"/models/{family}-eagle3"
+    assert cfg.precision.target.format == "fp8" and cfg.precision.target.skip == ("lm_head",)
+    assert cfg.target.capture.layer_ids is None          # the checkpoint's ids, else the EAGLE default
+    assert cfg.engines.profiles.verify.max_tokens >= cfg.tree.total_tokens + 1
+    monkeypatch.delenv(target_var)
+    with pytest.raises(BuildConfigError, match=target_var):
+        load_config(path)
+
+
 def test_unset_environment_variable_names_key_and_variable(monkeypatch):
     monkeypatch.delenv("LLAMA31_8B_INSTRUCT", raising=False)
     with pytest.raises(BuildConfigError) as err:
