@@ -183,7 +183,12 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{gguf}: transformers cannot load this GGUF file ({exc})") from None
-    cfg = TargetConfig.from_hf(hf.config.to_dict(), str(gguf))
+    hf_cfg = hf.config.to_dict()
+    # transformers dequantized the GGUF tensors to ordinary float weights: the quantization
+    # config describes the file, not the model we save.
+    if (hf_cfg.get("quantization_config") or {}).get("quant_method") == "gguf":
+        del hf_cfg["quantization_config"]
+    cfg = TargetConfig.from_hf(hf_cfg, str(gguf))
     with atomic_dir(out) as tmp:
         state = {k: v.contiguous() for k, v in hf.state_dict().items()
                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

@@ -49,7 +49,7 @@ def read_json(path: Path, error: type[Exception] = ConfigError, what: str = "fil
 # older transformers versions stored in config.json. Keys starting with "_" are private metadata.
 NEUTRAL_KEYS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
-    "initializer_range", "attention_dropout", "hidden_dropout", "pad_token_id", "sep_token_id",
+    "initializer_range", "attention_dropout", "hidden_dropout", "pad_token_id", "sep_token_id", "unk_token_id",
     "decoder_start_token_id", "id2label", "label2id", "problem_type", "return_dict", "output_attentions",
     "output_hidden_states", "is_encoder_decoder", "is_decoder", "add_cross_attention", "chunk_size_feed_forward",
     "tie_encoder_decoder", "cross_attention_hidden_size", "pruned_heads", "torchscript", "tf_legacy_loss",
