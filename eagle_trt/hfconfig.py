@@ -112,8 +112,10 @@ class Keys:
                               f"implemented ({why})")
 
     def refuse_unread(self, what: str, neutral: frozenset[str] = frozenset()) -> None:
-        unknown = sorted(k for k in self.d if k not in self.read and k not in NEUTRAL_KEYS and k not in neutral
-                         and not k.startswith("_"))
+        # A null value is "not set": transformers then keeps the class default, which for a key
+        # this family does not read changes nothing (the keys it does read are read above).
+        unknown = sorted(k for k, v in self.d.items() if k not in self.read and k not in NEUTRAL_KEYS
+                         and k not in neutral and not k.startswith("_") and v is not None)
         if unknown:
             more = f" (also not understood: {', '.join(self.prefix + k for k in unknown[1:])})" if unknown[1:] else ""
             raise ConfigError(f"{self.source}: key '{self.prefix}{unknown[0]}' is not understood for {what}: it may "
@@ -216,7 +218,11 @@ def read_rope(k: Keys, max_positions: int, default_theta: float) -> tuple[float,
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"{k.source}: key '{k.prefix}rope_parameters' must be an object, got {params!r}")
     theta = k.get("rope_theta", float, default_theta)
-    scaling = params if params is not None else k.raw("rope_scaling")
+    legacy = k.raw("rope_scaling")
+    if params is not None and legacy and _rope_type(legacy) != _rope_type(params):
+        raise ConfigError(f"{k.source}: rope_parameters ({_rope_type(params)}) and rope_scaling ({_rope_type(legacy)}) "
+                          f"disagree: ambiguous, refused")
+    scaling = params if params is not None else legacy
     partial = k.get("partial_rotary_factor", float, 1.0)
     if scaling is None:
         scaling = {}
@@ -254,6 +260,10 @@ def read_rope(k: Keys, max_positions: int, default_theta: float) -> tuple[float,
             out.setdefault(key, r.get(key, float))
     r.refuse_unread(f"RoPE type {kind!r}", frozenset({"type"}))
     return theta, out
+
+
+def _rope_type(d) -> object:
+    return d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else d
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

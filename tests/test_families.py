@@ -377,3 +377,18 @@ def test_quantized_family_graphs_match_the_fake_quant_reference(name, fmt, tmp_p
         # differ in the last float bit outside the MatMuls, and a value on an FP4 rounding boundary
         # then flips a whole step (llama-biases: 0.19 rel L2 while every MatMul matches to 1.4e-7).
         assert float((got - ref).norm() / ref.norm()) <= 1e-3
+
+
+def test_null_keys_are_unset_and_conflicting_rope_is_refused():
+    from eagle_trt.config import ConfigError, TargetConfig
+    base = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+            "vocab_size": 96, "num_hidden_layers": 4}
+    # ModelOpt's template and old transformers write nulls for unset keys: not refused.
+    cfg = TargetConfig.from_hf(dict(base, quantization_config=None, rope_scaling=None, some_future_key=None), "c")
+    assert cfg.rope_scaling is None
+    with pytest.raises(ConfigError, match="some_future_key"):
+        TargetConfig.from_hf(dict(base, some_future_key=1), "c")
+    both = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="disagree"):
+        TargetConfig.from_hf(both, "c")
