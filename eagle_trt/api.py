@@ -11,11 +11,11 @@ import torch
 
 from .checkpoints import LoadedTarget, cache_dir, load_drafter, load_target, random_drafter, save_drafter
 from .config import ConfigError, SamplingConfig, TreeShape
+from .devices import resolve_device, resolve_dtype, torch_dtype
 from .models.drafter import EagleDrafter
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import SpeculativeDecoder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 
 
@@ -23,6 +23,15 @@ def default_drafter_path(target_spec: str) -> Path | None:
     """The drafter shipped for the embedded default target, when there is one."""
     path = SHIPPED_DRAFTERS / "smollm2-eagle3.1"
     return path if target_spec == "smollm2" and (path / "config.json").is_file() else None
+
+
+def load_target_on(spec: str, device: str = "auto", dtype: str | None = None) -> LoadedTarget:
+    """load_target in the device's dtype (resolve_dtype), moved to the device; drafters loaded
+    for it follow it there."""
+    dev = resolve_device(device)
+    target = load_target(spec, torch_dtype(resolve_dtype(dtype, dev)))
+    target.model.to(dev)
+    return target
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -72,12 +81,13 @@ class Models:
         return eos
 
 
-def prepare_models(target_spec: str, drafter_path: str | None, dtype: str = "float32",
-                   log: TextIO | None = None) -> Models:
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+def prepare_models(target_spec: str, drafter_path: str | None, dtype: str | None = "float32",
+                   log: TextIO | None = None, device: str = "cpu") -> Models:
+    """dtype None: the device's default (resolve_dtype); the models end up on `device`."""
+    dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
-    target = load_target(target_spec, DTYPES[dtype])
+    target = load_target_on(target_spec, device, dtype)
     if drafter_path is None:
         drafter_path = default_drafter_path(str(target_spec))
     if drafter_path is None:
@@ -89,14 +99,14 @@ def prepare_models(target_spec: str, drafter_path: str | None, dtype: str = "flo
             folder = save_drafter(random_drafter(target, "eagle3.1",
                                                  draft_vocab_size=min(8192, target.config.vocab_size)),
                                   Path(tmp) / "drafter")
-            drafter = load_drafter(folder, target, DTYPES[dtype])
+            drafter = load_drafter(folder, target, torch_dtype(dtype))
     else:
         source = str(drafter_path)
-        drafter = load_drafter(drafter_path, target, DTYPES[dtype])
+        drafter = load_drafter(drafter_path, target, torch_dtype(dtype))
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     tokenizer = target.tokenizer()
     if log is not None:
-        print(f"loaded target {target.folder} and drafter {source} ({drafter.cfg.variant}) "
+        print(f"loaded target {target.folder} and drafter {source} ({drafter.cfg.variant}), {dtype} on {dev}, "
               f"in {time.perf_counter() - t0:.1f}s", file=log)
     return Models(target, drafter, source, tokenizer)
 
@@ -111,13 +121,20 @@ def real_prompt_ids(models: Models, count: int, chat: bool = True) -> list[list[
 BACKENDS = ("torch", "onnxruntime")
 
 
-def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str = "float32",
-                  log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None) -> Pipeline:
-    """backend 'torch' runs the PyTorch models; 'onnxruntime' exports the target and the
-    drafter-tree graphs into onnx_dir (default: a cache folder) and runs those."""
+def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str | None = "float32",
+                  log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
+                  device: str = "cpu") -> Pipeline:
+    """backend 'torch' runs the PyTorch models on `device`; 'onnxruntime' exports the target and
+    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on the CPU."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    models = prepare_models(target_spec, drafter_path, dtype, log)
+    if backend == "onnxruntime":
+        if device == "cuda":
+            raise ConfigError("the onnxruntime backend runs on the CPU (onnxruntime-gpu is not a dependency); "
+                              "use --device cpu, or --backend torch for CUDA")
+        device = "cpu"
+    models = prepare_models(target_spec, drafter_path, dtype, log, device)
+    dtype = str(models.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
     if backend == "torch":
         target_backend, drafter_backend = TorchTarget(models.target.model), TorchDrafter(models.drafter, shape)
     else:

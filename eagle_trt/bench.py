@@ -4,9 +4,11 @@
     python -m eagle_trt.bench --workloads mtbench,humaneval,long-2k --prompts 20 --out bench/
 
 Per workload, all at temperature 0 on the same prompts and the same machine:
-- `transformers`: LlamaForCausalLM.generate (greedy, KV cache) on the same weights (PyTorch);
+- `transformers`: AutoModelForCausalLM.generate (greedy, KV cache) on the same weights, on --device;
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
-- `speculative`: the drafter-tree graph plus one target-graph verification per iteration.
+- `speculative`: the drafter-tree graph plus one target-graph verification per iteration;
+- `torch-autoregressive` / `torch-speculative` (with --torch-row, and always on CUDA): the same
+  loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
 since the best shape depends on how verification cost grows with tokens on the hardware.
 Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
@@ -28,13 +30,16 @@ import torch
 from .api import prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
+from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .evaluate import depth_rates
 from .export import export_pipeline
+from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 from .workloads import build
 
 MODES = ("transformers", "autoregressive", "speculative")
+TORCH_MODES = ("torch-autoregressive", "torch-speculative")
 # --tree auto tries these: chains and small trees suit hardware where verifying more tokens
 # costs noticeably more than one (a CPU), wider trees the memory-bound regime of a GPU.
 TREE_CANDIDATES = "2,1,2;3,1,3;3,2,4;4,2,6;4,4,12;5,4,16"
@@ -92,14 +97,16 @@ def peak_rss_gb() -> float:
 class HFBaseline:
     """transformers' own model and generate() on the target folder: the baseline to beat."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, device=torch.device("cpu"), dtype=torch.float32):
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.device = device
 
     @torch.inference_mode()
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
         start = time.perf_counter()
-        out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        x = torch.tensor([ids], device=self.device)
+        out = self.model.generate(x, attention_mask=torch.ones_like(x),
                                   max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
                                   pad_token_id=sorted(eos)[0])
         seconds = time.perf_counter() - start
@@ -109,8 +116,10 @@ class HFBaseline:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target: OrtTarget, target: OrtTarget,
-                 drafter: OrtDrafter, decoder: SpeculativeDecoder, eos: set[int], max_new_tokens: int, depth: int) -> dict:
-    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES}
+                 drafter: OrtDrafter, decoder: SpeculativeDecoder, eos: set[int], max_new_tokens: int, depth: int,
+                 torch_decoder: SpeculativeDecoder | None = None) -> dict:
+    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
+    torch_identical = 0
     split = {"drafter_graph": 0.0, "target_graph": 0.0}
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
@@ -134,6 +143,13 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target:
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
+        if torch_decoder is not None:   # the PyTorch backend on --device: lossless against its own AR loop
+            t_ar = generate_autoregressive(torch_decoder.target, ids, max_new_tokens, eos)
+            t_sp = torch_decoder.generate(ids, max_new_tokens)
+            for mode, run in zip(TORCH_MODES, (t_ar, t_sp)):
+                rows[mode]["tokens"] += len(run.tokens)
+                rows[mode]["seconds"] += run.seconds
+            torch_identical += t_sp.tokens == t_ar.tokens
         print(f"  {name} {i + 1}/{len(prompts)}: accept {sp.mean_accept_length:.2f}; tok/s transformers "
               f"{len(hf_tokens) / hf_s:.1f}, autoregressive {len(ar.tokens) / ar.seconds:.1f}, speculative "
               f"{len(sp.tokens) / sp.seconds:.1f}", file=sys.stderr, flush=True)
@@ -159,7 +175,10 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target:
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": {"drafter_graph": split["drafter_graph"] / spec_s, "target_graph": split["target_graph"] / spec_s,
                            "host": 1 - (split["drafter_graph"] + split["target_graph"]) / spec_s},
-            "cost": cost, "identical_outputs": identical, "peak_rss_gb": peak_rss_gb()}
+            "cost": cost, "identical_outputs": identical, "peak_rss_gb": peak_rss_gb(),
+            **({"torch_speedup": rows["torch-speculative"]["tokens_per_second"]
+                / rows["torch-autoregressive"]["tokens_per_second"],
+                "torch_identical_outputs": torch_identical} if torch_decoder else {})}
 
 
 def format_table(results: list[dict]) -> str:
@@ -182,6 +201,14 @@ def format_table(results: list[dict]) -> str:
                      f"{c['verify_call_ms']:>8.1f}{c['host_ms_per_iteration']:>7.1f}{c['iteration_ms']:>11.1f}"
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
+    if "torch_speedup" in results[0]:
+        head = f"{'workload':<10}{'torch AR tok/s':>16}{'torch spec tok/s':>18}{'speed-up':>10}{'same':>7}"
+        lines += ["", "PyTorch backend (see torch_device in bench.json):", head, "-" * len(head)]
+        for r in results:
+            m = r["modes"]
+            lines.append(f"{r['workload']:<10}{m['torch-autoregressive']['tokens_per_second']:>16.1f}"
+                         f"{m['torch-speculative']['tokens_per_second']:>18.1f}{r['torch_speedup']:>9.2f}x"
+                         f"{r['torch_identical_outputs']:>4}/{r['prompts']:<2}")
     return "\n".join(lines)
 
 
@@ -232,13 +259,22 @@ def main(argv=None) -> int:
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
+    add_device_options(p)
+    p.add_argument("--torch-row", action="store_true",
+                   help="also time the PyTorch backend on --device (always done when the device is CUDA)")
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
         candidates = [parse_tree(t) for t in (args.tree_candidates if args.tree == "auto" else args.tree).split(";")]
         if args.threads:
             torch.set_num_threads(args.threads)
-        models = prepare_models(args.target, args.drafter, log=sys.stderr)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        models = prepare_models(args.target, args.drafter, log=sys.stderr)   # fp32 on the CPU: the graphs' source
+        torch_models = None
+        if args.torch_row or device.type == "cuda":
+            same = device.type == "cpu" and dtype == "float32"
+            torch_models = models if same else prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
                    for w in names}
@@ -258,18 +294,26 @@ def main(argv=None) -> int:
     drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
     eos = models.eos_ids
     decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
-    hf = HFBaseline(models.target.folder)
+    hf = HFBaseline(models.target.folder, device, torch_dtype(dtype))
     warm = prompts[names[0]][0]                      # first-call allocations stay out of the numbers
     decoder.generate(warm, 8)
+    torch_decoder = None
+    if torch_models is not None:
+        torch_decoder = SpeculativeDecoder(TorchTarget(torch_models.target.model),
+                                           TorchDrafter(torch_models.drafter, shape), eos,
+                                           models.target.config.vocab_size)
+        torch_decoder.generate(warm, 8)
     # Autoregressive decoding runs one session call after call, so it gets its own session of the
     # same graph with spinning worker threads (its fastest setting); see make_session.
     ar_target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads, spin=True)
     generate_autoregressive(ar_target, warm, 8, eos)
     hf.generate(warm, 8, eos)
     results = [run_workload(w, prompts[w], hf, ar_target, target, drafter, decoder, eos, args.max_new_tokens,
-                            shape.depth) for w in names]
+                            shape.depth, torch_decoder) for w in names]
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
+              "transformers_device": f"{device.type} {dtype}",
+              "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results}

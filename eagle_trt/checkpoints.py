@@ -252,7 +252,8 @@ def check_drafter_fits(dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
         raise CheckpointError(f"{exc} ({tcfg.source} has num_hidden_layers {tcfg.num_hidden_layers})") from None
 
 
-def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = torch.float32) -> EagleDrafter:
+def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | None = None) -> EagleDrafter:
+    """The drafter at `path`, fitted to `target`, on the target's device, in `dtype` (default: the target's)."""
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not folder.is_dir():
@@ -281,7 +282,8 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype = to
     if "t2d" not in tensors:
         drafter.t2d.zero_()
         drafter.t2d[drafter.to_target_ids(torch.arange(dcfg.draft_vocab_size))] = True
-    return drafter.to(dtype).eval()
+    w = target.model.embed_tokens.weight
+    return drafter.to(w.device, dtype or w.dtype).eval()
 
 
 def _check_d2t(drafter: EagleDrafter, source: Path) -> None:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import CheckpointError, load_drafter, load_target
+from .api import load_target_on
+from .checkpoints import CheckpointError, load_drafter
+from .devices import add_device_options
 from .config import ConfigError
 from .evaluate import parse_drafters
 from .models.drafter import EagleDrafter
@@ -41,13 +43,13 @@ def chain_stats(drafter: EagleDrafter, captured: torch.Tensor, seq: list[int], c
                 sinks: int) -> dict[str, list[list[float]]]:
     """Per cut point, per depth: sink share, draft share, state norm. `captured` [S, A*H] holds the
     target states of `seq`; drafter row j pairs the state of token j with token j + 1."""
-    dtype = drafter.fc.weight.dtype
+    dtype, dev = drafter.fc.weight.dtype, drafter.fc.weight.device
     S = len(seq)
-    ids = torch.tensor(seq[1:])[None]
-    hidden = drafter.project(captured[None, : S - 1].to(dtype))
+    ids = torch.tensor(seq[1:], device=dev)[None]
+    hidden = drafter.project(captured[None, : S - 1].to(dev, dtype))
     pk, pv = drafter.empty_past(1)
     attn = drafter.midlayer.self_attn
-    ctx = drafter(hidden, ids, torch.arange(S - 1)[None], causal_mask(S - 1, 0), pk, pv)
+    ctx = drafter(hidden, ids, torch.arange(S - 1, device=dev)[None], causal_mask(S - 1, 0, dev), pk, pv)
     out = {m: [] for m in METRICS}
     attn.record_probs = True
     try:
@@ -57,8 +59,8 @@ def chain_stats(drafter: EagleDrafter, captured: torch.Tensor, seq: list[int], c
             state, tok = hidden[:, j0:j0 + 1], ids[:, j0:j0 + 1]
             for d in range(depth):
                 P = past_k.shape[1]
-                step = drafter(state, tok, torch.tensor([[j0 + d]]), torch.ones(1, 1, P + 1, dtype=torch.bool),
-                               past_k, past_v)
+                step = drafter(state, tok, torch.tensor([[j0 + d]], device=dev),
+                               torch.ones(1, 1, P + 1, dtype=torch.bool, device=dev), past_k, past_v)
                 probs = attn.last_probs[0, :, 0].float()              # [heads, P + 1]
                 rows["sink_share"].append(float(probs[:, :sinks].sum(-1).mean()))
                 rows["draft_share"].append(float(probs[:, j0 + 1:].sum(-1).mean()) if d else 0.0)
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--threads", type=int, default=0)
+    add_device_options(p)
     p.add_argument("--out", type=Path, required=True, help="folder for diagnose.json and diagnose.png")
     args = p.parse_args(argv)
     try:
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
         if args.cuts > args.continuation:
             raise ConfigError(f"--cuts ({args.cuts}) cannot exceed --continuation ({args.continuation})")
-        target = load_target(args.target)
+        target = load_target_on(args.target, args.device, args.dtype)
         tok = target.tokenizer()
         drafters = [(name, load_drafter(path, target)) for name, path in parse_drafters(args.drafter)]
         workloads = {w: build(tok, w.strip(), args.prompts if not w.startswith("long-") else min(args.prompts, 3))
@@ -147,10 +150,10 @@ def main(argv=None) -> int:
             for name, d in drafters:
                 target.model.set_capture(d.cfg.capture_for(target.config))
                 with torch.inference_mode():
-                    T = len(seq)
-                    pk, pv = target.model.empty_past(1)
-                    captured = target.model(torch.tensor([seq]), torch.arange(T)[None], causal_mask(T, 0), pk, pv,
-                                            torch.tensor([T - 1])).captured[0]
+                    T, dev = len(seq), target.model.embed_tokens.weight.device
+                    pk, pv = target.model.empty_past(1, device=dev)
+                    captured = target.model(torch.tensor([seq], device=dev), torch.arange(T, device=dev)[None],
+                                            causal_mask(T, 0, dev), pk, pv, torch.tensor([T - 1], device=dev)).captured[0]
                 stats = chain_stats(d, captured, seq, cuts, args.depth, args.sinks)
                 for m in METRICS:
                     acc[name][w][m] += stats[m]

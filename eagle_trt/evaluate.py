@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import CheckpointError, load_drafter, load_target
+from .api import load_target_on
+from .checkpoints import CheckpointError, load_drafter
+from .devices import add_device_options
 from .config import ConfigError, TreeShape
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import SpeculativeDecoder
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--tree-top-k", type=int, default=8)
     p.add_argument("--total-tokens", type=int, default=60)
     p.add_argument("--threads", type=int, default=0)
+    add_device_options(p)
     p.add_argument("--json", type=Path, default=None, help="write the results (and generated tokens) here")
     p.add_argument("--quiet", action="store_true", help="no per-prompt progress")
     args = p.parse_args(argv)
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         drafters = parse_drafters(args.drafter)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         shape = TreeShape(args.depth, args.tree_top_k, args.total_tokens).validate()
-        target = load_target(args.target)
+        target = load_target_on(args.target, args.device, args.dtype)
         tok = target.tokenizer()
         prompts = {w: build(tok, w, args.long_prompts if w.startswith("long-") else args.prompts) for w in names}
         eos = set(target.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())

@@ -8,6 +8,7 @@ import json
 import sys
 
 from .config import ConfigError, SamplingConfig, TreeShape
+from .devices import add_device_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft nodes verified per step (default: 60 for a tree, depth for a chain)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_device_options(p)   # the onnxruntime backend runs on the CPU
     p.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch",
                    help="torch: the PyTorch models; onnxruntime: the exported graphs (exported on first use)")
     p.add_argument("--onnx-dir", default=None,
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = TreeShape(args.depth, args.tree_top_k, total).validate()
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed).validate()
         pipe = load_pipeline(args.target, args.drafter, shape, dtype=args.dtype, log=sys.stderr,
-                             backend=args.backend, onnx_dir=args.onnx_dir)
+                             backend=args.backend, onnx_dir=args.onnx_dir, device=args.device)
         result = pipe.generate(args.prompt, args.max_new_tokens, sampling, chat=args.chat)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -57,7 +57,7 @@ def rank_desc(x: Tensor) -> Tensor:
     (a stable sort's order), computed from a comparison matrix so that every backend agrees
     exactly; TopK's own tie order is not specified the same way everywhere."""
     n = x.shape[0]
-    earlier = torch.ones(n, n, dtype=torch.bool).tril(-1)          # [i, j]: j < i
+    earlier = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)          # [i, j]: j < i
     beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & earlier)
     return beats.sum(1)
 
@@ -71,8 +71,8 @@ def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
     """[M] parent indices (-1 for the root) -> [M, M] bool: each node and its ancestors."""
     M = parents.shape[0]
-    eye = torch.eye(M, dtype=torch.float32)
-    adj = torch.zeros(M, M + 1, dtype=torch.float32)
+    eye = torch.eye(M, dtype=torch.float32, device=parents.device)
+    adj = torch.zeros(M, M + 1, dtype=torch.float32, device=parents.device)
     # Column M absorbs the root's "-1" parent and is dropped.
     adj = adj.scatter(1, torch.where(parents < 0, M, parents)[:, None], 1.0)[:, :M]
     reach = eye + adj
@@ -92,22 +92,23 @@ def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_
     """
     D, K = shape.depth, shape.top_k
     T, P = input_ids.shape[1], past_k.shape[1]
-    positions = torch.arange(T, dtype=torch.int64)[None] + P
-    step0 = drafter(drafter.project(captured), input_ids, positions, causal_mask(T, P), past_k, past_v)
+    dev = input_ids.device   # every tensor made here lives with the inputs (CPU when exporting)
+    positions = torch.arange(T, dtype=torch.int64, device=dev)[None] + P
+    step0 = drafter(drafter.project(captured), input_ids, positions, causal_mask(T, P, dev), past_k, past_v)
     ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 1), torch.cat((past_v, step0.new_v), 1)
 
     logp = torch.log_softmax(step0.logits[0, -1].float(), dim=-1)
     scores, draft_ids = _topk(logp, K)                                   # [K]
     tokens = drafter.to_target_ids(draft_ids)
     all_scores, all_tokens = [scores], [tokens]
-    all_parents = [torch.full((K,), -1, dtype=torch.int64)]
-    frontier = torch.arange(K)                                           # candidate index of each frontier node
+    all_parents = [torch.full((K,), -1, dtype=torch.int64, device=dev)]
+    frontier = torch.arange(K, device=dev)                               # candidate index of each frontier node
     state = step0.feedback[:, -1:].expand(1, K, step0.feedback.shape[-1])
     # Tree KV rows and the frontier's visibility of them exist from step 2 on; keeping them
     # None before that avoids empty tensors in the exported graph.
     tree_k = tree_v = ancestors = None
-    eye = torch.eye(K, dtype=torch.bool)
-    seen = torch.ones(K, P + T, dtype=torch.bool)
+    eye = torch.eye(K, dtype=torch.bool, device=dev)
+    seen = torch.ones(K, P + T, dtype=torch.bool, device=dev)
     offset = K
     for step in range(1, D):
         pos = (positions[:, -1:] + step).expand(1, K)
@@ -145,14 +146,14 @@ def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeSha
     in candidate order, so ranking with ties to the lower index puts every parent ahead of its
     children: the kept set is closed under ancestry, even when a child's log-prob is exactly 0.
     Keeping candidate order puts parents first."""
-    N, M = shape.total_tokens, scores.shape[0]
+    N, M, dev = shape.total_tokens, scores.shape[0], scores.device
     kept = rank_desc(scores) < N
     # Kept candidate indices in increasing order: one TopK over (M - index) of the kept ones.
-    keep = M - torch.topk(torch.where(kept, M - torch.arange(M), 0), N).values
-    slot = torch.zeros(scores.shape[0] + 1, dtype=torch.int64)
-    slot = slot.scatter(0, keep, torch.arange(1, N + 1))                  # candidate -> node index
+    keep = M - torch.topk(torch.where(kept, M - torch.arange(M, device=dev), 0), N).values
+    slot = torch.zeros(scores.shape[0] + 1, dtype=torch.int64, device=dev)
+    slot = slot.scatter(0, keep, torch.arange(1, N + 1, device=dev))      # candidate -> node index
     node_parents = slot[torch.where(parents[keep] < 0, scores.shape[0], parents[keep])]   # root -> slot[M] = 0
-    parents_full = torch.cat((torch.tensor([-1]), node_parents))
+    parents_full = torch.cat((torch.full((1,), -1, dtype=torch.int64, device=dev), node_parents))
     mask = ancestor_mask(parents_full, shape.closure_steps())
     depths = mask.sum(-1) - 1
     return DraftTree(tokens[keep], parents_full, mask, depths, scores[keep])

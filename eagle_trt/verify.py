@@ -17,8 +17,10 @@ from .tree import DraftTree
 
 
 def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
-    """Temperature, then top-k, then top-p (transformers' order); returns fp32 probabilities."""
-    logits = logits.float() / sampling.temperature
+    """Temperature, then top-k, then top-p (transformers' order); returns fp32 probabilities,
+    on the CPU: the seeded torch.Generator that makes sampling reproducible is a CPU one, and
+    the same seed then draws the same tokens whatever device the target ran on."""
+    logits = logits.float().cpu() / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

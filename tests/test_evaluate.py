@@ -104,12 +104,15 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
                      "--tree-candidates", "2,1,2;2,2,3", "--sweep-prompts", "1", "--threads", "1",
-                     "--onnx-dir", str(tmp_path / "onnx"), "--out", str(tmp_path / "out")])
+                     "--onnx-dir", str(tmp_path / "onnx"), "--torch-row", "--device", "cpu",
+                     "--out", str(tmp_path / "out")])
     assert rc == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     (row,) = report["results"]
     assert row["identical_outputs"] == 2                    # transformers, autoregressive and speculative agree
-    assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0 for m in bench.MODES)
+    assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0
+               for m in bench.MODES + bench.TORCH_MODES)
+    assert row["torch_identical_outputs"] == 2 and report["torch_device"] == "cpu float32"
     assert 0 < row["time_split"]["host"] < 1 and len(row["accepted_at_least"]) == 2
     assert sum(row["time_split"].values()) == pytest.approx(1.0)
     sweep = report["tree_sweep"]
@@ -121,6 +124,6 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     for name in ("speedup.png", "acceptance_per_depth.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out
+    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out and "PyTorch backend" in out
     assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
     assert "expected depth,top_k,total_tokens" in capsys.readouterr().err

@@ -30,7 +30,9 @@ class TargetBackend(Protocol):
                 ) -> tuple[Tensor, Tensor]:
         """Run T new tokens after the committed ones. mask [T, T] says which new tokens each new
         token sees (causal for prefill, the tree mask for verification); all committed tokens
-        are visible. Returns logits [T or 1, V] and captured states [T, A * H]. Rows are staged."""
+        are visible. Returns logits [T or 1, V] and captured states [T, A * H]. Rows are staged.
+        Inputs may live on any device; outputs stay on the backend's (the PyTorch backend's
+        model device), so a CUDA loop moves only token ids and the accepted path."""
 
     def commit(self, rows: list[int]) -> None:
         """Keep these staged rows, in order, as the next committed tokens."""
@@ -50,6 +52,7 @@ class TorchTarget:
     def __init__(self, model: LlamaTarget):
         self.model = model.eval()
         self.max_context = model.cfg.max_position_embeddings
+        self.device = model.embed_tokens.weight.device
         self.cache: KVCache | None = None
 
     def reset(self, capacity: int) -> None:
@@ -62,9 +65,10 @@ class TorchTarget:
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, mask, last_only=False):
-        T, P = input_ids.shape[0], self.cache.length
-        full = torch.cat((torch.ones(T, P, dtype=torch.bool), mask), dim=1)[None]
-        index = torch.tensor([T - 1]) if last_only else None
+        T, P, dev = input_ids.shape[0], self.cache.length, self.device
+        input_ids, positions, mask = input_ids.to(dev), positions.to(dev), mask.to(dev)   # no-ops when there already
+        full = torch.cat((torch.ones(T, P, dtype=torch.bool, device=dev), mask), dim=1)[None]
+        index = torch.full((1,), T - 1, device=dev) if last_only else None
         out = self.model(input_ids[None], positions[None], full, *self.cache.past(), index)
         self.cache.write(out.new_k, out.new_v)
         return out.logits[0], out.captured[0]
@@ -86,7 +90,8 @@ class TorchDrafter:
     @torch.inference_mode()
     def draft(self, captured: Tensor, input_ids: Tensor) -> DraftTree:
         past_k, past_v = self.cache.past()
-        tree, new_k, new_v = draft_tree(self.model, captured[None].to(self.model.fc.weight.dtype), input_ids[None],
+        w = self.model.fc.weight
+        tree, new_k, new_v = draft_tree(self.model, captured[None].to(w.device, w.dtype), input_ids[None].to(w.device),
                                         past_k[0], past_v[0], self.shape)
         self.cache.write([new_k], [new_v])
         self.cache.commit(list(range(new_k.shape[1])))

@@ -93,7 +93,7 @@ class SpeculativeDecoder:
             tree = self.drafter.draft(pending_states, pending_ids)
             result.drafter_calls += 1
             root = out[-1]
-            ids = torch.cat((torch.tensor([root]), tree.tokens))
+            ids = torch.cat((torch.full((1,), root, dtype=torch.int64, device=tree.tokens.device), tree.tokens))
             logits, captured = self.target.forward(ids, self.target.length + tree.depths, tree.mask)
             result.target_calls += 1
             if sampling.greedy:
@@ -101,7 +101,8 @@ class SpeculativeDecoder:
             else:
                 path, bonus = accept_sampled(tree, logits, sampling, gen)
             self.target.commit(path)
-            new = [int(ids[i]) for i in path[1:]] + [bonus]
+            node_ids = ids.tolist()   # one transfer, not one per accepted node
+            new = [node_ids[i] for i in path[1:]] + [bonus]
             result.accept_lengths.append(len(new))
             out = out + new
             pending_states, pending_ids = captured[path], torch.tensor(new, dtype=torch.int64)

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import cache_dir, load_target, save_drafter
-from ..config import CaptureLayers
+from ..config import CaptureLayers, ConfigError
+from ..devices import add_device_options, resolve_device
 from .data import DataConfig, load_samples
 from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, atomic_json, extract_features
 from .ttt import TrainConfig, new_drafter, train
@@ -63,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget-min", type=float, default=None, help="save and stop after this many minutes")
     p.add_argument("--save-dtype", choices=tuple(DTYPES), default="bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_device_options(p, dtype=False)
+    p.add_argument("--autocast", choices=("auto", "none", "bf16"), default="auto",
+                   help="bf16 autocast of the drafter's forward (weights and optimizer stay float32); "
+                        "auto: bf16 on CUDA, none on the CPU")
     p.add_argument("--features-only", action="store_true", help="compute the feature cache and stop")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     args = p.parse_args(argv)
@@ -85,7 +90,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    target = load_target(args.target)
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    target = load_target(args.target)   # float32: the cached features are the reference's
+    target.model.to(device)
     L = target.config.num_hidden_layers
     capture = (CaptureLayers(tuple(int(x) for x in args.capture_layers.split(",")), "layer_input")
                if args.capture_layers else CaptureLayers.eagle_default(L))
@@ -140,18 +151,22 @@ def main(argv=None) -> int:
 
     m = target.model
     head_rows = m.lm_head.weight.detach()[vocab.used].clone()
-    drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach(),
-                          head_rows, m.norm.weight.detach(), seed=args.seed)
+    drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach().cpu(),
+                          head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed).to(device)
     del target, m   # only the embedding and the head rows are needed from here on
+    amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
-                      lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every,
-                      save_every=args.save_every, eval_sequences=args.eval_sequences)
+                      lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
+                      log_every=args.log_every, save_every=args.save_every, eval_sequences=args.eval_sequences)
+    info["device"] = {"device": str(device), "autocast": amp,
+                      "name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    print(f"train: {args.variant} drafter on {device}, autocast {amp}")
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     result = train(drafter, store, head_rows, cfg, args.out, resume=args.resume, time_budget_s=budget)
 
     final = None
     if result.finished:
-        export = copy.deepcopy(drafter).to(DTYPES[args.save_dtype])
+        export = copy.deepcopy(drafter).to("cpu", DTYPES[args.save_dtype])
         final = save_drafter(export, args.out / "drafter")
         size = (final / "model.safetensors").stat().st_size
         print(f"drafter: {final} ({size / 2 ** 20:.1f} MiB, {args.save_dtype})")

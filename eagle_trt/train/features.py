@@ -77,16 +77,18 @@ def atomic_json(path: Path, data: dict) -> None:
 @torch.inference_mode()
 def target_features(model, ids: list[int], sample_id: str = "<sample>") -> dict[str, torch.Tensor]:
     """One sequence through the target: captured states, normed final state, greedy ids."""
-    x = torch.tensor([ids], dtype=torch.int64)
+    dev = model.embed_tokens.weight.device
+    x = torch.tensor([ids], dtype=torch.int64, device=dev)
     T = x.shape[1]
     grabbed: list[torch.Tensor] = []
     handle = model.norm.register_forward_hook(lambda _m, _i, out: grabbed.append(out))
     try:
-        past_k, past_v = model.empty_past(1)
-        out = model(x, torch.arange(T)[None], causal_mask(T, 0), past_k, past_v)
+        past_k, past_v = model.empty_past(1, device=dev)
+        out = model(x, torch.arange(T, device=dev)[None], causal_mask(T, 0, dev), past_k, past_v)
     finally:
         handle.remove()
-    captured, normed = out.captured[0].float(), grabbed[-1][0].float()
+    # The cache lives on the host, whatever device computed it.
+    x, captured, normed = x.cpu(), out.captured[0].float().cpu(), grabbed[-1][0].float().cpu()
     for name, t in (("captured", captured), ("normed", normed)):
         peak = float(t.abs().max())
         if not peak < FP16_MAX:
@@ -95,7 +97,7 @@ def target_features(model, ids: list[int], sample_id: str = "<sample>") -> dict[
         "ids": x[0].to(torch.int32),
         "captured": captured.to(torch.float16),
         "normed": normed.to(torch.float16),
-        "argmax": out.logits[0].argmax(-1).to(torch.int32),
+        "argmax": out.logits[0].argmax(-1).to(torch.int32).cpu(),
     }
 
 

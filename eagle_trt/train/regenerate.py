@@ -9,7 +9,8 @@ on the target's own answers (as SpecForge and HASS do) moves the training contex
 distribution the drafter meets at inference. Prompts keep the MT-bench guard and the
 train split of `data.py`; the output is a ShareGPT JSON file for `train --data`.
 
-Generation is batched greedy decoding with left padding and an explicit KV cache. Finished
+Generation is batched greedy decoding with left padding and a preallocated KV cache on --device
+(CUDA when present, bf16 there). Finished
 batches are appended to OUT.partial.jsonl, so an interrupted run resumes where it stopped;
 the JSON file appears (atomically) only when every prompt is answered."""
 from __future__ import annotations
@@ -24,49 +25,64 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..checkpoints import load_target
+from ..api import load_target_on
+from ..config import ConfigError
+from ..devices import add_device_options
 from .data import first_turns
 
 
 @torch.inference_mode()
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
-    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS."""
+    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS.
+
+    One preallocated KV cache [layers, B, L + max_new_tokens, Hkv, D] on the model's device:
+    each step reads the committed prefix as views and writes one row in place. Finished rows
+    keep their slots until half of the batch is done, then the live rows are compacted (one
+    copy), so long batches do not pay for rows that stopped early."""
+    dev, dtype, cfg = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype, model.cfg
     B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    valid = torch.zeros(B, L, dtype=torch.bool)
+    S = L + max_new_tokens
+    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+    valid = torch.zeros(B, S, dtype=torch.bool, device=dev)     # which cache rows hold real tokens
     for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p)
-        valid[b, L - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        ids[b, L - len(p):] = torch.tensor(p, device=dev)
+        valid[b, L - len(p):L] = True
+    pos = (valid[:, :L].long().cumsum(1) - 1).clamp(min=0)
+    cache = torch.zeros(2, cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
     # Pad rows attend to themselves only, so no softmax row is empty (an empty row gives NaN
     # states whose keys would poison the real rows through 0 * NaN).
-    mask = (torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
-    past_k, past_v = model.empty_past(B)
-    out = model(ids, pos, mask, past_k, past_v, logits_index=torch.tensor([L - 1]))
-    past_k, past_v = out.new_k, out.new_v
+    eye = torch.eye(L, dtype=torch.bool, device=dev)[None]
+    mask = (torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :L]) | eye
+    empty = [cache[0, i, :, :0] for i in range(cfg.num_hidden_layers)]
+    out = model(ids, pos, mask, empty, empty, logits_index=torch.full((1,), L - 1, device=dev))
+    for i in range(cfg.num_hidden_layers):
+        cache[0, i, :, :L], cache[1, i, :, :L] = out.new_k[i], out.new_v[i]
     next_tok: Tensor = out.logits[:, -1].argmax(-1)
     tokens: list[list[int]] = [[] for _ in range(B)]
-    rows = torch.arange(B)                  # batch row -> prompt index; finished rows are dropped
+    rows = list(range(B))                   # batch row -> prompt index
+    live = torch.ones(B, dtype=torch.bool, device=dev)
     last_pos = pos[:, -1]
-    for _ in range(max_new_tokens):
-        keep = []
-        for r, b in enumerate(rows.tolist()):
-            t = int(next_tok[r])
-            tokens[b].append(t)
-            if t not in eos_ids:
-                keep.append(r)
-        if not keep or _ == max_new_tokens - 1:
+    for step in range(max_new_tokens):
+        for r, (b, t, alive) in enumerate(zip(rows, next_tok.tolist(), live.tolist())):   # one transfer a step
+            if alive:
+                tokens[b].append(t)
+                if t in eos_ids:
+                    live[r] = False
+        if step == max_new_tokens - 1 or not bool(live.any()):
             break
-        if len(keep) < len(rows):
-            sel = torch.tensor(keep)
-            rows, next_tok, last_pos, valid = rows[sel], next_tok[sel], last_pos[sel], valid[sel]
-            past_k = [k.index_select(0, sel) for k in past_k]
-            past_v = [v.index_select(0, sel) for v in past_v]
+        if int(live.sum()) <= len(rows) // 2:   # compact: drop the finished rows' slots
+            keep = live.nonzero().flatten()
+            rows = [rows[r] for r in keep.tolist()]
+            cache, valid = cache[:, :, keep], valid[keep]
+            next_tok, last_pos, live = next_tok[keep], last_pos[keep], live[keep]
+        n = L + step                            # rows committed so far
         last_pos = last_pos + 1
-        valid = torch.cat((valid, torch.ones(len(rows), 1, dtype=torch.bool)), 1)
-        out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :], past_k, past_v)
-        past_k = [torch.cat(p, 1) for p in zip(past_k, out.new_k)]
-        past_v = [torch.cat(p, 1) for p in zip(past_v, out.new_v)]
+        valid[:, n] = True
+        past_k = [cache[0, i, :, :n] for i in range(cfg.num_hidden_layers)]
+        past_v = [cache[1, i, :, :n] for i in range(cfg.num_hidden_layers)]
+        out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :n + 1], past_k, past_v)
+        for i in range(cfg.num_hidden_layers):
+            cache[0, i, :, n], cache[1, i, :, n] = out.new_k[i][:, 0], out.new_v[i][:, 0]
         next_tok = out.logits[:, -1].argmax(-1)
     return tokens
 
@@ -121,12 +137,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=0)
+    add_device_options(p)
     p.add_argument("--answered-only", action="store_true",
                    help="write OUT from the answers already in OUT.partial.jsonl and stop")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    try:
+        target = load_target_on(args.target, args.device, args.dtype)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prompts = first_turns(target.tokenizer(), "train", args.max_prompts, args.max_prompt_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size, args.answered_only)}")

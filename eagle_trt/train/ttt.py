@@ -56,6 +56,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     seed: int = 0
+    autocast: str = "none"           # "bf16": bfloat16 autocast (CUDA; CPUs with AVX-512 BF16 / AMX too)
     log_every: int = 10
     save_every: int = 100
     eval_sequences: int = 0          # the last N cached sequences are held out and evaluated at saves
@@ -69,6 +70,8 @@ class TrainConfig:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise TrainError(f"lr must be > 0, got {self.lr}")
+        if self.autocast not in ("none", "bf16"):
+            raise TrainError(f"autocast must be 'none' or 'bf16', got {self.autocast!r}")
         return self
 
     # Options that change the trajectory: a resumed run must keep them.
@@ -123,6 +126,10 @@ class Batch:
     pred_mask: Tensor  # [B, T] bool: the target's prediction at position p is for assistant text
     tokens: int
 
+    def to(self, device) -> "Batch":
+        return Batch(self.ids.to(device), self.captured.to(device), self.normed.to(device), self.argmax.to(device),
+                     self.pred_mask.to(device), self.tokens)
+
 
 def collate(items: list[dict]) -> Batch:
     T = max(int(it["ids"].shape[0]) for it in items)
@@ -162,15 +169,16 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
     n = T - 1                                    # drafter indices j = 0..T-2
     if n < 1:
         raise TrainError("training sequences need at least 2 tokens")
-    dtype = drafter.fc.weight.dtype
+    dtype, dev = drafter.fc.weight.dtype, drafter.fc.weight.device
+    batch = batch.to(dev)
     pad = lambda x: torch.cat((x, x.new_zeros(B, steps, *x.shape[2:])), dim=1)
     ids, argmax, pred_mask = pad(batch.ids), pad(batch.argmax), pad(batch.pred_mask)
     with torch.no_grad():   # soft targets: the target's distribution over the draft vocabulary
-        target_p = pad(torch.softmax(batch.normed.float() @ head_rows.float().T, dim=-1))
+        target_p = pad(torch.softmax(batch.normed.float() @ head_rows.to(dev).float().T, dim=-1))
     t2d = drafter.t2d
     hidden = drafter.project(batch.captured[:, :n].to(dtype))
-    positions = torch.arange(n)[None].expand(B, n)
-    causal, eye = causal_mask(n, 0)[0], torch.eye(n, dtype=torch.bool)
+    positions = torch.arange(n, device=dev)[None].expand(B, n)
+    causal, eye = causal_mask(n, 0, dev)[0], torch.eye(n, dtype=torch.bool, device=dev)
     past_k, past_v = drafter.empty_past(B)
     out = TTTOutput([], [], [])
     for k in range(steps):
@@ -233,13 +241,20 @@ class TrainResult:
     finished: bool
 
 
+def autocast(drafter: EagleDrafter, cfg: TrainConfig):
+    """bf16 autocast on the drafter's device when cfg.autocast says so; the weights, the
+    optimizer state and the losses stay float32."""
+    return torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
+
+
 def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_rows: Tensor,
              cfg: TrainConfig) -> dict:
     drafter.eval()
     losses, accs, counts = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps, [0] * cfg.ttt_steps
     with torch.no_grad():
         for i in ids:
-            o = ttt_forward(drafter, collate([store.get(i)]), head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
+            with autocast(drafter, cfg):
+                o = ttt_forward(drafter, collate([store.get(i)]), head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
             for k in range(cfg.ttt_steps):
                 losses[k] += float(o.losses[k]) * o.counts[k]
                 accs[k] += o.accs[k] * o.counts[k]
@@ -305,7 +320,8 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             batch = collate([store.get(i) for i in batch_indices(step, train_ids, cfg)])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
-            o = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
+            with autocast(drafter, cfg):
+                o = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
             loss = o.total(cfg.step_decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -314,7 +330,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             opt.step()
             step += 1
             tokens += batch.tokens
-            entry = {"step": step, "loss": float(loss.detach()), "step_loss": [float(x.detach()) for x in o.losses],
+            seen = (history[-1].get("tokens_seen", 0) if history else 0) + batch.tokens
+            entry = {"step": step, "tokens_seen": seen, "loss": float(loss.detach()),
+                     "step_loss": [float(x.detach()) for x in o.losses],
                      "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
             history.append(entry)
             updating = False
@@ -345,4 +363,4 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
 
 
 __all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate",
-           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward"]
+           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward", "autocast"]
