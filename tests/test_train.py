@@ -376,3 +376,30 @@ def test_concat_store_trains_on_both_caches_and_holds_out_the_last(target, captu
     assert torch.equal(both.get(0)["ids"], other.get(0)["ids"])
     assert torch.equal(both.get(len(both) - 1)["captured"], store.get(len(store) - 1)["captured"])
     assert both.folder == store.folder        # held-out evaluation sequences come from the last cache
+
+
+def test_target_layer_init_starts_as_that_layer(target):
+    """--init target-layer: with the embedding half of q/k/v at zero, drafter step 0 on a state f
+    computes exactly the copied target layer on f (the EAGLE-3 variant feeds back h2, the layer's
+    output); fc starts as the identity on the last captured stream."""
+    from eagle_trt.train.ttt import init_from_target_layer
+    m, H = target.model, target.config.hidden_size
+    vocab = build_draft_vocab(torch.ones(VOCAB), VOCAB)
+    capture = CaptureLayers.eagle_default(target.config.num_hidden_layers)
+    noise = new_drafter(target.config, "eagle3", vocab, capture, m.embed_tokens.weight.detach())
+    d = new_drafter(target.config, "eagle3", vocab, capture, m.embed_tokens.weight.detach(), init_layer=m.layers[-1])
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(1, 7, H, generator=g)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=g)
+    pos, mask = torch.arange(7)[None], causal_mask(7, 0)
+    pk, pv = d.empty_past(1)
+    with torch.no_grad():
+        out = d(f, ids, pos, mask, pk, pv).feedback
+        cos, sin = m.rope(pos, f.dtype)
+        ref, _, _ = m.layers[-1](f, cos, sin, mask, *m.empty_past(1)[0][:1], *m.empty_past(1)[1][:1])
+        captured = torch.randn(1, 7, 3 * H, generator=g)
+        assert torch.equal(d.project(captured), captured[..., -H:])
+        assert not torch.allclose(noise(f, ids, pos, mask, pk, pv).feedback, ref, atol=1e-3)
+    assert (out - ref).abs().max() < 1e-5
+    init_from_target_layer(d, m.layers[0])      # another layer: the copy follows it
+    assert torch.equal(d.midlayer.mlp.down_proj.weight, m.layers[0].mlp.down_proj.weight)

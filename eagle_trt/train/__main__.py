@@ -28,7 +28,7 @@ from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, resolve_device
 from .data import DataConfig, load_samples
 from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, atomic_json, extract_features
-from .ttt import TrainConfig, new_drafter, train
+from .ttt import INITS, TrainConfig, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -52,7 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-layers", default=None,
                    help="comma-separated captured layer ids, layer-input convention (default: EAGLE's 2, L/2, L-3)")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--ttt-steps", type=int, default=5, help="training-time-test steps (the deepest draft depth "
+                   "trained for; the shipped trees draft up to 5 deep)")
+    p.add_argument("--init", choices=INITS, default="noise",
+                   help="decoder-layer start: noise, or target-layer (a copy of the target's layer --init-layer)")
+    p.add_argument("--init-layer", type=int, default=-1, help="target layer for --init target-layer (-1: the last)")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -151,8 +155,15 @@ def main(argv=None) -> int:
 
     m = target.model
     head_rows = m.lm_head.weight.detach()[vocab.used].clone()
+    init_layer = None
+    if args.init == "target-layer":
+        if not -L <= args.init_layer < L:
+            print(f"error: --init-layer {args.init_layer} is outside the target's {L} layers", file=sys.stderr)
+            return 2
+        init_layer = copy.deepcopy(m.layers[args.init_layer]).cpu()
     drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach().cpu(),
-                          head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed).to(device)
+                          head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed,
+                          init_layer=init_layer).to(device)
     del target, m   # only the embedding and the head rows are needed from here on
     amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,

@@ -81,11 +81,42 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------- model setup
 
+INITS = ("noise", "target-layer")
+
+
+def init_from_target_layer(drafter: EagleDrafter, layer: torch.nn.Module) -> None:
+    """Start the decoder layer from a (late) target decoder layer instead of noise: the hidden
+    half of q/k/v takes the layer's projections and the embedding half starts at zero, so step
+    0 begins as that layer applied to fc's output; o_proj, the MLP and the norms are copied;
+    fc starts as the identity on the last captured stream (the deepest, closest to the
+    output). Tensors whose shapes differ (another layer family) keep their noise."""
+    H = drafter.cfg.hidden_size
+    attn, src = drafter.midlayer.self_attn, layer.self_attn
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w, t = getattr(attn, name).weight, getattr(src, name).weight
+            if w[:, H:].shape == t.shape:
+                w.zero_()
+                w[:, H:] = t
+        pairs = [(attn.o_proj.weight, src.o_proj.weight), (drafter.midlayer.hidden_norm.weight, layer.input_layernorm.weight),
+                 (drafter.midlayer.input_layernorm.weight, layer.input_layernorm.weight),
+                 (drafter.midlayer.post_attention_layernorm.weight, layer.post_attention_layernorm.weight)]
+        pairs += [(getattr(drafter.midlayer.mlp, n).weight, getattr(layer.mlp, n).weight)
+                  for n in ("gate_proj", "up_proj", "down_proj")]
+        for dst, t in pairs:
+            if dst.shape == t.shape:
+                dst.copy_(t)
+        if drafter.cfg.target_hidden_size == H:
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, -H:] = torch.eye(H)
+
+
 def new_drafter(target_cfg: TargetConfig, variant: str, vocab: DraftVocab, capture: CaptureLayers,
                 embed: Tensor, head_rows: Tensor | None = None, norm_weight: Tensor | None = None,
-                seed: int = 0, std: float = 0.02) -> EagleDrafter:
+                seed: int = 0, std: float = 0.02, init_layer: torch.nn.Module | None = None) -> EagleDrafter:
     """A fresh drafter shaped like one target layer. The embedding is the target's (frozen,
-    shared); lm_head starts from the target's head rows of the draft vocabulary."""
+    shared); lm_head starts from the target's head rows of the draft vocabulary, norm from its
+    final norm, and the decoder layer from noise or, given `init_layer`, from that target layer."""
     t = target_cfg
     is31 = variant == "eagle3.1"
     cfg = DrafterConfig(
@@ -110,6 +141,8 @@ def new_drafter(target_cfg: TargetConfig, variant: str, vocab: DraftVocab, captu
             drafter.norm.weight.copy_(norm_weight)
         drafter.d2t.copy_(vocab.d2t)
         drafter.t2d.copy_(vocab.t2d)
+    if init_layer is not None:
+        init_from_target_layer(drafter, init_layer)
     drafter.embed_tokens.weight = torch.nn.Parameter(embed.detach(), requires_grad=False)
     drafter.embed_shared = True
     return drafter
@@ -363,4 +396,4 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
 
 
 __all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate",
-           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward", "autocast"]
+           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward", "autocast", "INITS", "init_from_target_layer"]
