@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-import torch
 
 from .checkpoints import LoadedTarget, cache_dir, load_drafter, load_target, random_drafter, save_drafter
 from .config import ConfigError, SamplingConfig, TreeShape
@@ -84,10 +83,9 @@ class Models:
 def prepare_models(target_spec: str, drafter_path: str | None, dtype: str | None = "float32",
                    log: TextIO | None = None, device: str = "cpu") -> Models:
     """dtype None: the device's default (resolve_dtype); the models end up on `device`."""
-    dev = resolve_device(device)
-    dtype = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     target = load_target_on(target_spec, device, dtype)
+    w = target.model.embed_tokens.weight
     if drafter_path is None:
         drafter_path = default_drafter_path(str(target_spec))
     if drafter_path is None:
@@ -99,14 +97,14 @@ def prepare_models(target_spec: str, drafter_path: str | None, dtype: str | None
             folder = save_drafter(random_drafter(target, "eagle3.1",
                                                  draft_vocab_size=min(8192, target.config.vocab_size)),
                                   Path(tmp) / "drafter")
-            drafter = load_drafter(folder, target, torch_dtype(dtype))
+            drafter = load_drafter(folder, target)   # the target's device and dtype
     else:
         source = str(drafter_path)
-        drafter = load_drafter(drafter_path, target, torch_dtype(dtype))
+        drafter = load_drafter(drafter_path, target)
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     tokenizer = target.tokenizer()
     if log is not None:
-        print(f"loaded target {target.folder} and drafter {source} ({drafter.cfg.variant}), {dtype} on {dev}, "
+        print(f"loaded target {target.folder} and drafter {source} ({drafter.cfg.variant}), {w.dtype} on {w.device}, "
               f"in {time.perf_counter() - t0:.1f}s", file=log)
     return Models(target, drafter, source, tokenizer)
 
