@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-
 from .checkpoints import LoadedTarget, cache_dir, load_drafter, load_target, random_drafter, save_drafter
 from .config import ConfigError, SamplingConfig, TreeShape
 from .devices import resolve_device, resolve_dtype, torch_dtype
