@@ -257,7 +257,8 @@ def read_rope(k: Keys, max_positions: int, default_theta: float) -> tuple[float,
     else:
         out["factor"] = r.get("factor", float)
         for key in ROPE_KEYS[kind][1:]:
-            out.setdefault(key, r.get(key, float))
+            if key not in out:
+                out[key] = r.get(key, float)
     r.refuse_unread(f"RoPE type {kind!r}", frozenset({"type"}))
     return theta, out
 

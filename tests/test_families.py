@@ -392,3 +392,13 @@ def test_null_keys_are_unset_and_conflicting_rope_is_refused():
                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="disagree"):
         TargetConfig.from_hf(both, "c")
+
+
+def test_llama3_rope_without_original_length_takes_the_context_length():
+    """transformers fills original_max_position_embeddings from max_position_embeddings."""
+    from eagle_trt.config import TargetConfig
+    base = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+            "vocab_size": 96, "num_hidden_layers": 4, "max_position_embeddings": 4096}
+    cfg = TargetConfig.from_hf(dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0}), "c")
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
