@@ -192,14 +192,14 @@ def _read_sliding(k: Keys, arch: str, num_layers: int, nope: tuple[int, ...]) ->
     on = k.get("use_sliding_window", bool, False)
     window = size if on else None
     types = k.raw("layer_types")
+    # Qwen derives layer_types from max_window_layers when they are absent; SmolLM3-3B's
+    # config.json carries the key too, and transformers derives nothing from it there.
+    first = k.get("max_window_layers", int, 28)
     if types is None:
         if arch == "smollm3":
             types = ["sliding_attention" if window and i in nope else "full_attention" for i in range(num_layers)]
         else:
-            first = k.get("max_window_layers", int, 28)
             types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(num_layers)]
-    else:
-        k.raw("max_window_layers")   # only derives layer_types, which are given
     if not (isinstance(types, list) and len(types) == num_layers
             and all(t in ("full_attention", "sliding_attention") for t in types)):
         raise ConfigError(f"{k.source}: key '{k.prefix}layer_types' must name 'full_attention' or 'sliding_attention' "

@@ -402,3 +402,27 @@ def test_llama3_rope_without_original_length_takes_the_context_length():
     cfg = TargetConfig.from_hf(dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 4.0}), "c")
     assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+def test_public_config_key_sets_load():
+    """The key sets of the public Qwen2.5-7B-Instruct, Qwen3-8B, Mistral-7B-Instruct-v0.3 and
+    SmolLM3-3B config.json files (sizes shrunk) are understood, none refused."""
+    from eagle_trt.config import TargetConfig
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 4, "vocab_size": 96, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+             "architectures": ["X"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+             "initializer_range": 0.02, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+             "transformers_version": "4.51.0", "use_cache": True}
+    configs = {
+        "qwen2": dict(rope_theta=1e6, rope_scaling=None, sliding_window=131072, use_sliding_window=False,
+                      max_window_layers=28),
+        "qwen3": dict(attention_bias=False, head_dim=16, rope_theta=1e6, rope_scaling=None, sliding_window=None,
+                      use_sliding_window=False, max_window_layers=36),
+        "mistral": dict(rope_theta=1e6, sliding_window=None, head_dim=16),
+        "smollm3": dict(attention_bias=False, mlp_bias=False, max_window_layers=28, no_rope_layer_interval=4,
+                        no_rope_layers=[1, 1, 1, 0], pad_token_id=3, pretraining_tp=2, rope_scaling=None,
+                        rope_theta=5e6, sliding_window=None, use_sliding_window=False),
+    }
+    for family, extra in configs.items():
+        cfg = TargetConfig.from_hf(dict(shape, model_type=family, **extra), family)
+        assert cfg.arch.sliding_layers == () and cfg.arch.nope_layers == ((3,) if family == "smollm3" else ())
