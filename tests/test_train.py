@@ -403,3 +403,48 @@ def test_target_layer_init_starts_as_that_layer(target):
     assert (out - ref).abs().max() < 1e-5
     init_from_target_layer(d, m.layers[0])      # another layer: the copy follows it
     assert torch.equal(d.midlayer.mlp.down_proj.weight, m.layers[0].mlp.down_proj.weight)
+
+
+def test_online_features_equal_the_cache_and_train_the_same(target, capture, samples, store, vocab, tmp_path):
+    """--features online computes each batch's features in the step (no disk): the same numbers
+    as the cache, hence the same training trajectory, loss for loss."""
+    from eagle_trt.train.features import OnlineFeatures
+    online = OnlineFeatures(target, samples, capture)
+    assert len(online) == len(store) and online.tokens == store.tokens
+    for i in (0, 7, len(store) - 1):
+        a, b = online.get(i), store.get(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
+    assert set(online.get(3, ("ids", "mask"))) == {"ids", "mask"}
+    cfg = TrainConfig(variant="eagle3", steps=6, batch_size=3, lr=2e-3, warmup_steps=2, log_every=100, save_every=100)
+    head = head_rows(target, vocab)
+    cached = train(make_drafter(target, vocab, capture, "eagle3"), store, head, cfg, tmp_path / "a", log=lambda _: None)
+    live = train(make_drafter(target, vocab, capture, "eagle3"), online, head, cfg, tmp_path / "b", log=lambda _: None)
+    assert [e["loss"] for e in live.log] == [e["loss"] for e in cached.log]
+
+
+def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys):
+    """python -m eagle_trt.train, as on a GPU (online features, 5 TTT steps), here on the CPU:
+    nothing cached on disk but the draft vocabulary, and a train log that records the device,
+    the data size and the tokens seen."""
+    from test_build_support import write_tiny_target
+
+    from eagle_trt.train.__main__ import main
+    folder = write_tiny_target(tmp_path / "t")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Say {i} words about tea, please."},
+                                               {"from": "gpt", "value": "Tea is a drink made from leaves. " * 3}]}
+             for i in range(12)]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(convs))
+    rc = main(["--target", str(folder), "--data", str(data), "--max-samples", "12", "--features", "online",
+               "--device", "cpu", "--features-dir", str(tmp_path / "feat"), "--out", str(tmp_path / "run"),
+               "--steps", "3", "--batch-size", "2", "--draft-vocab", "64", "--eval-sequences", "2",
+               "--save-every", "3", "--init", "target-layer"])
+    assert rc == 0, capsys.readouterr().err
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["features"]["mode"] == "online" and log["features"]["bytes"] == 0
+    assert log["device"]["device"] == "cpu" and log["config"]["ttt_steps"] == 5
+    assert log["features"]["sequences"] == log["data_stats"]["kept"] > 8 and log["log"][-1]["tokens_seen"] > 0
+    assert len(log["log"][-1]["step_loss"]) == 5 and len(log["log"][-1]["eval_acc"]) == 5
+    assert sorted(p.name for p in (tmp_path / "feat").iterdir()) == ["draft_vocab_64.safetensors"]
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+    assert main(["--target", str(folder), "--features", "online", "--features-only", "--device", "cpu"]) == 2

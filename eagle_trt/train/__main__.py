@@ -27,7 +27,7 @@ from ..checkpoints import cache_dir, load_target, save_drafter
 from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, resolve_device
 from .data import DataConfig, load_samples
-from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, atomic_json, extract_features
+from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, OnlineFeatures, atomic_json, extract_features
 from .ttt import INITS, TrainConfig, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", choices=("eagle3.1", "eagle3"), default="eagle3.1")
     p.add_argument("--out", type=Path, default=None,
                    help="run folder: train_state.pt, train_log.json, drafter/ (not needed with --features-only)")
+    p.add_argument("--features", choices=("auto", "cache", "online"), default="auto",
+                   help="target features: cache (computed once into --features-dir, shared between runs) or "
+                        "online (computed in each training step on --device, nothing on disk); auto: online on "
+                        "CUDA, cache on the CPU")
     p.add_argument("--features-dir", type=Path, default=None, help="target feature cache (shared between runs)")
     p.add_argument("--extra-features-dir", type=Path, action="append", default=[],
                    help="another complete feature cache to train on as well (repeatable), e.g. one filled "
@@ -110,7 +114,18 @@ def main(argv=None) -> int:
     data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
     info: dict = {"features_dir": str(feat_dir)}
 
-    if features_complete(feat_dir, data_key):
+    online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
+                                           and not (args.features_only or args.extra_features_dir))
+    if online and (args.features_only or args.extra_features_dir):
+        print("error: --features online computes features during training: --features-only and "
+              "--extra-features-dir need --features cache", file=sys.stderr)
+        return 2
+    if online:
+        samples, stats = load_samples(target.tokenizer(), data_cfg)
+        print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")
+        info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
+        store = OnlineFeatures(target, samples, capture)
+    elif features_complete(feat_dir, data_key):
         print(f"features: complete cache in {feat_dir}")
         store = FeatureStore(feat_dir)
         store.check_target(target, capture)
@@ -123,8 +138,8 @@ def main(argv=None) -> int:
         manifest = json.loads((feat_dir / MANIFEST).read_text())
         manifest.update(complete=True, data=data_key, data_stats=info["data_stats"])
         atomic_json(feat_dir / MANIFEST, manifest)
-    info["features"] = {"sequences": len(store), "tokens": store.tokens,
-                        "bytes": sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
+    info["features"] = {"mode": "online" if online else "cache", "sequences": len(store), "tokens": store.tokens,
+                        "bytes": 0 if online else sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
     if args.features_only:
         return 0
     suffix = ""
@@ -140,6 +155,7 @@ def main(argv=None) -> int:
         info["extra_features"] = [{"dir": str(s.folder), "sequences": len(s), "tokens": s.tokens} for s in extras]
         print(f"features: training on {len(store)} sequences, {store.tokens} tokens from {1 + len(extras)} caches")
 
+    feat_dir.mkdir(parents=True, exist_ok=True)   # the draft vocabulary is kept there in either mode
     vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab}{suffix}.safetensors"
     V = target.config.vocab_size
     if vocab_path.is_file():

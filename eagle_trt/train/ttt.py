@@ -169,10 +169,11 @@ def collate(items: list[dict]) -> Batch:
     B = len(items)
     A = items[0]["captured"].shape[-1]
     H = items[0]["normed"].shape[-1]
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    captured, normed = torch.zeros(B, T, A), torch.zeros(B, T, H)
-    argmax = torch.zeros(B, T, dtype=torch.int64)
-    pred_mask = torch.zeros(B, T, dtype=torch.bool)
+    dev = items[0]["captured"].device      # where the features are (the GPU with online features)
+    ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    captured, normed = torch.zeros(B, T, A, device=dev), torch.zeros(B, T, H, device=dev)
+    argmax = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    pred_mask = torch.zeros(B, T, dtype=torch.bool, device=dev)
     for b, it in enumerate(items):
         L = int(it["ids"].shape[0])
         ids[b, :L] = it["ids"].long()
