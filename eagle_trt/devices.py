@@ -39,6 +39,17 @@ def resolve_dtype(dtype: str | None, device) -> str:
     return dtype
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX-512 BF16 or AMX): there bf16
+    autocast about halves a training step (scripts/cpu_train_ablation.sh measures it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name)

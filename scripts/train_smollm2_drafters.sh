@@ -27,7 +27,7 @@ for variant in eagle3.1 eagle3; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$CACHE/runs/smollm2-$variant" \
         --data "$REGEN" --max-samples 1200 --features-dir "$CACHE/feat-smollm2-regen" \
         --extra-features-dir "$CACHE/feat-smollm2" --draft-vocab 8192 --steps "$STEPS" --batch-size 4 \
-        --lr 1e-3 --warmup-steps 20 --ttt-steps 3 --seed 0 --eval-sequences 16 --save-every 50 \
+        --lr 1e-3 --warmup-steps 20 --ttt-steps 3 --autocast none --seed 0 --eval-sequences 16 --save-every 50 \
         --threads 1 --resume > "$CACHE/runs/smollm2-$variant.log" 2>&1 &
 done
 wait

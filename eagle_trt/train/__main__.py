@@ -25,7 +25,7 @@ import torch
 
 from ..checkpoints import cache_dir, load_target, save_drafter
 from ..config import CaptureLayers, ConfigError
-from ..devices import add_device_options, resolve_device
+from ..devices import add_device_options, cpu_has_bf16, resolve_device
 from .data import DataConfig, load_samples
 from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, OnlineFeatures, atomic_json, extract_features
 from .ttt import INITS, TrainConfig, new_drafter, train
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_device_options(p, dtype=False)
     p.add_argument("--autocast", choices=("auto", "none", "bf16"), default="auto",
                    help="bf16 autocast of the drafter's forward (weights and optimizer stay float32); "
-                        "auto: bf16 on CUDA, none on the CPU")
+                        "auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else none")
     p.add_argument("--features-only", action="store_true", help="compute the feature cache and stop")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     args = p.parse_args(argv)
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                           head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed,
                           init_layer=init_layer).to(device)
     del target, m   # only the embedding and the head rows are needed from here on
-    amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" else "none")
+    amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
                       log_every=args.log_every, save_every=args.save_every, eval_sequences=args.eval_sequences)
