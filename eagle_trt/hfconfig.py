@@ -135,9 +135,6 @@ class Arch:
     sliding_layers: tuple[int, ...] = ()     # layers whose keys are limited to the last sliding_window positions
     nope_layers: tuple[int, ...] = ()        # layers that apply no RoPE (SmolLM3)
 
-    def window(self, layer: int) -> int | None:
-        return self.sliding_window if layer in self.sliding_layers else None
-
 
 # transformers' config-class defaults for the arithmetic keys a config.json may leave out.
 FAMILY_DEFAULTS = {

@@ -1,6 +1,6 @@
-"""Llama-family target model written for export: Llama, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM3
-decoder layers, one class each, switched by `TargetConfig.arch` (biases, q/k norm, sliding
-window, RoPE-less layers); RoPE default / linear / llama3 / yarn.
+"""Llama-family target model written for export: the decoder layers of Llama, Mistral, Qwen2 /
+2.5, Qwen3 and SmolLM3 are one class, the family's switches in `TargetConfig.arch` (biases, q/k
+norm, sliding window, RoPE-less layers); RoPE default / linear / llama3 / yarn.
 
 Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer in
 [B, S, Hkv, D] layout (a committed prefix of a preallocated cache is then a contiguous view)
