@@ -176,6 +176,28 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offli
     assert "eagle_trt: request cancelled by the client after" in server.log, "the abandoned request kept decoding"
 
 
+def test_cancelled_stream_is_closed_and_the_model_unloads_cleanly(built, offline, monkeypatch):
+    """A client that cancels mid-stream: the model still closes the stream with the final flag,
+    which Triton's Python backend needs to unload the model gracefully at shutdown."""
+    import shutil
+    monkeypatch.setenv("EAGLE_TRT_KEEP_TRITON_LOG", "1")
+    server = LocalTriton(built[1].artifact("triton"))
+    try:
+        with server:
+            stream = Stream(server)
+            stream.send(text_request(offline["prompts"][2], max_tokens=400))
+            for _ in range(2):
+                _, error = stream.results.get(timeout=120)
+                assert error is None
+            stream.close(cancel=True)
+            time.sleep(2.0)
+        log = server.log
+    finally:
+        shutil.rmtree(server.workdir, ignore_errors=True)
+    assert "eagle_trt: request cancelled by the client after" in log
+    assert "Exit timeout expired" not in log and "successfully unloaded 'eagle_trt'" in log, log[-3000:]
+
+
 @pytest.mark.parametrize("inputs, message", [
     (lambda: [_input("max_tokens", np.array([8], dtype=np.int32), "INT32")], "exactly one of text_input"),
     (lambda: text_request("Hello", max_tokens=-3), "max_tokens must be a positive integer, got -3"),
@@ -184,7 +206,12 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offli
     (lambda: text_request("Hello", None) + [_input("temperature", np.array([-1.0], dtype=np.float32), "FP32")],
      "temperature must be a finite number >= 0"),
     (lambda: text_request("Hello", max_tokens=10**6), "exceeds the target's context"),
-], ids=["missing prompt", "negative max_tokens", "wrong dtype", "negative temperature", "beyond context"])
+    (lambda: [_input("text_input", np.array([b"caf\xc3 \xff tea"], dtype=np.object_), "BYTES")],
+     "text_input: not valid UTF-8 (byte 0xc3 at offset 3)"),
+    (lambda: [_input("input_ids", np.array([5, 10**7, 6], dtype=np.int64), "INT64")],
+     "prompt token id 10000000 is outside the vocabulary"),
+], ids=["missing prompt", "negative max_tokens", "wrong dtype", "negative temperature", "beyond context",
+        "invalid UTF-8", "out-of-range id"])
 def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offline, inputs, message):
     stream = Stream(server)
     try:

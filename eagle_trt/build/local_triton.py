@@ -188,10 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.repository) / ".").is_dir():
         print(f"error: {args.repository}: model repository not found", file=sys.stderr)
         return 2
+    # SIGTERM (docker stop, systemd, kill) stops the server as Ctrl-C does: the with-block's
+    # exit then takes tritonserver and its backend stubs down instead of leaving them on the ports.
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         with LocalTriton(args.repository, args.grpc_port, args.http_port) as server:
             print(f"serving {server.repository} on grpc {server.grpc_url}, http 127.0.0.1:{server.http_port} "
-                  f"(Ctrl-C stops)", file=sys.stderr)
+                  f"(Ctrl-C or SIGTERM stops)", file=sys.stderr)
             while server.alive():
                 time.sleep(1)
             print(server.log[-4000:], file=sys.stderr)

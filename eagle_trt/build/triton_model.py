@@ -24,7 +24,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
-from eagle_trt.runtime.decoder import SpeculativeDecoder
+from eagle_trt.runtime.decoder import SpeculativeDecoder, check_request
 from eagle_trt.runtime.kv_cache import KVCache
 from eagle_trt.tree import DraftTree
 
@@ -201,7 +201,11 @@ class TritonPythonModel:
             if values.size != 1:
                 raise RequestError(f"text_input: expected one string, got {values.size}")
             raw = values[0]
-            prompt_text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+            try:
+                prompt_text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"text_input: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") \
+                    from None
             from eagle_trt.api import encode_prompt
             use_chat = s["chat"] and bool(getattr(self.tokenizer, "chat_template", None))
             prompt = encode_prompt(self.tokenizer, prompt_text, use_chat)
@@ -210,6 +214,8 @@ class TritonPythonModel:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens}")
         sampling = SamplingConfig(scalar("temperature", float, 0.0), scalar("top_p", float, 1.0),
                                   scalar("top_k", int, 0), scalar("seed", int, None)).validate()
+        # Everything the decoder would refuse is refused here, before the request waits for a slot.
+        check_request(prompt, max_tokens, s["max_context"], s["vocab_size"])
         return prompt, max_tokens, sampling
 
     def _serve(self, request):
@@ -221,7 +227,12 @@ class TritonPythonModel:
             except (RequestError, ConfigError) as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
                 return
-            target, drafter = self.slots.get()
+            try:
+                target, drafter = self.slots.get_nowait()
+            except queue.Empty:
+                pb_utils.Logger.log_info(f"eagle_trt: request waiting for a decoding slot (all "
+                                         f"{self.settings['max_concurrent']} busy; serving.max_concurrent)")
+                target, drafter = self.slots.get()
             try:
                 stream = TextStream(self.tokenizer)
 
@@ -240,8 +251,7 @@ class TritonPythonModel:
                                              f"{len(result.tokens)} of {max_tokens} tokens")
             finally:
                 self.slots.put((target, drafter))
-            if not sender.is_cancelled():
-                sender.send(flags=final)
+            sender.send(flags=final)   # cancelled streams too: the Python backend needs the final flag to unload
         except ConfigError as exc:   # e.g. prompt + max_tokens beyond the context
             self._fail(sender, str(exc))
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the model down
