@@ -119,9 +119,10 @@ class TargetConfig:
 
 
 # Drafter config keys that do not change the arithmetic: speculators' bookkeeping, training-only
-# settings, and the layer's own tie flag (a drafter's lm_head is its own draft-vocabulary head).
+# settings, the special token ids (the target's decide), and the layer's own tie flag (a
+# drafter's lm_head is its own draft-vocabulary head).
 DRAFTER_NEUTRAL = frozenset({"speculators_version", "speculators_config", "embed_requires_grad",
-                             "tie_word_embeddings"})
+                             "has_no_defaults_at_init", "tie_word_embeddings", "bos_token_id", "eos_token_id"})
 # ModelOpt's eagle_config: switches whose only implemented value is the EAGLE-3 arithmetic.
 MODELOPT_REQUIRED = {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
                      "use_aux_hidden_state": True, "use_mtp_layernorm": False, "parallel_draft_step": 1}

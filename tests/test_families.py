@@ -426,3 +426,46 @@ def test_public_config_key_sets_load():
     for family, extra in configs.items():
         cfg = TargetConfig.from_hf(dict(shape, model_type=family, **extra), family)
         assert cfg.arch.sliding_layers == () and cfg.arch.nope_layers == ((3,) if family == "smollm3" else ())
+
+
+def test_public_drafter_config_key_sets_load():
+    """SafeAILab's EAGLE3-LLaMA3.1-Instruct-8B config.json and ModelOpt's export template (sizes
+    shrunk, null values as the template writes them) are understood, none refused."""
+    from eagle_trt.config import DrafterConfig
+    safeailab = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001,
+                 "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+                 "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "num_hidden_layers": 1, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+                 "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.28.1",
+                 "use_cache": True, "vocab_size": 96, "draft_vocab_size": 32}
+    cfg = DrafterConfig.from_hf(safeailab, "safeailab")
+    assert cfg.variant == "eagle3" and cfg.draft_vocab_size == 32 and cfg.capture is None
+    modelopt = dict(safeailab, attention_bias=False, attention_dropout=0.0, head_dim=16, mlp_bias=False, pretraining_tp=1,
+                    rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048},
+                    rope_theta=500000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                                       "use_aux_hidden_state": True,
+                                                       "use_input_layernorm_in_first_layer": True,
+                                                       "use_last_layernorm": True, "use_mtp_layernorm": False,
+                                                       "next_layer_regular": True, "parallel_draft_step": 1,
+                                                       "parallel_draft_heads_num_layers": None})
+    cfg = DrafterConfig.from_hf(modelopt, "modelopt")
+    assert cfg.capture.convention == "layer_output" and cfg.rope_scaling["rope_type"] == "yarn"
+    speculators = {"architectures": ["Eagle3DraftModel"], "draft_vocab_size": 32, "dtype": "bfloat16",
+                   "eagle_aux_hidden_state_layer_ids": [2, 3, 4], "embed_requires_grad": False,
+                   "has_no_defaults_at_init": False, "norm_before_fc": False, "norm_before_residual": True,
+                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                          "verifier": {"architectures": [], "name_or_path": "some/target"}},
+                   "speculators_model_type": "eagle3", "speculators_version": "0.4.0.1", "target_hidden_size": None,
+                   "tie_word_embeddings": False, "transformers_version": "4.57.0",
+                   "transformer_layer_config": {"attention_bias": False, "head_dim": 16, "hidden_act": "silu",
+                                                "hidden_size": 64, "intermediate_size": 128,
+                                                "max_position_embeddings": 4096, "model_type": "qwen3",
+                                                "num_attention_heads": 4, "num_hidden_layers": 1,
+                                                "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+                                                "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+                                                "tie_word_embeddings": True, "vocab_size": 96,
+                                                "use_sliding_window": False, "sliding_window": None,
+                                                "max_window_layers": 28, "layer_types": ["full_attention"]}}
+    cfg = DrafterConfig.from_hf(speculators, "speculators")
+    assert cfg.arch.qk_norm and cfg.norm_before_residual and cfg.capture.convention == "layer_input"
