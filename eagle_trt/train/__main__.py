@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach().cpu(),
                           head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed,
                           init_layer=init_layer).to(device)
-    del target, m   # only the embedding and the head rows are needed from here on
+    del target, m   # from here on: the embedding and head rows (and, with online features, the store's model)
     amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
