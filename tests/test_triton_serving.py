@@ -269,3 +269,45 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family):
             assert error is None and flat(pieces) == expected
         finally:
             stream.close()
+
+
+def test_local_triton_cli_stops_its_server_on_sigterm(built):
+    """`python -m eagle_trt.build.local_triton` under SIGTERM (docker stop, systemd, kill) takes
+    tritonserver down with it, as on Ctrl-C, so nothing keeps holding the ports."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    from eagle_trt.build.local_triton import free_port
+    http, grpc = free_port(), free_port()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_trt.build.local_triton", "--repository",
+                             str(built[1].artifact("triton")), "--http-port", str(http), "--grpc-port", str(grpc)],
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("local_triton did not become ready")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(OSError):   # the server went with it: nothing answers on its port
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in filter(str.isdigit, os.listdir("/proc")):   # a server left behind by a failure: stop it
+            try:
+                if f"--http-port={http}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.killpg(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
