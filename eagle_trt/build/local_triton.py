@@ -144,7 +144,11 @@ class LocalTriton:
                "--log-verbose=0"]
         self.proc = subprocess.Popen(cmd, stdout=open(self.workdir / "server.log", "wb"), stderr=subprocess.STDOUT,
                                      env=self.env(root), start_new_session=True)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:   # not ready, or interrupted (Ctrl-C, SIGTERM) while starting: stop it
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -160,7 +164,6 @@ class LocalTriton:
             except OSError:
                 pass
             time.sleep(0.5)
-        self.__exit__(None, None, None)
         raise TritonUnavailable(f"tritonserver not ready after {self.timeout:.0f}s:\n{self.log[-4000:]}")
 
     def alive(self) -> bool:
