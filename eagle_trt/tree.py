@@ -21,6 +21,8 @@ from .models.target import causal_mask
 
 @dataclass
 class DraftTree:
+    """One tree, or a batch of trees with a leading [B] axis on every field (what the drafter
+    backends return; `row(b)` is sequence b's tree)."""
     tokens: Tensor     # [N] int64 target-vocabulary ids of the draft nodes 1..N
     parents: Tensor    # [N + 1] int64, parents[0] = -1 (root), parents[i] < i
     mask: Tensor       # [N + 1, N + 1] bool, row i = node i and its ancestors
@@ -29,7 +31,24 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.tokens.shape[-1])
+
+    def row(self, b: int) -> "DraftTree":
+        return DraftTree(self.tokens[b], self.parents[b], self.mask[b], self.depths[b], self.scores[b])
+
+    def top(self, n: int) -> "DraftTree":
+        """The subtree of this (unbatched) tree's n best nodes by score, in node order. Ranked with
+        ties to the lower index, as select_nodes ranks: a child never outranks its parent, so the
+        subtree is closed under ancestry. Verifying it is verifying fewer draft tokens."""
+        if n >= self.size:
+            return self
+        keep = torch.nonzero(rank_desc(self.scores) < n).flatten()            # increasing node order
+        rows = torch.cat((torch.zeros(1, dtype=torch.int64, device=keep.device), keep + 1))
+        index = torch.full((self.size + 1,), -1, dtype=torch.int64, device=keep.device)
+        index[rows] = torch.arange(n + 1, device=keep.device)
+        parents = self.parents[rows]
+        parents = torch.where(parents < 0, parents, index[parents.clamp(min=0)])
+        return DraftTree(self.tokens[keep], parents, self.mask[rows][:, rows], self.depths[rows], self.scores[keep])
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -53,107 +72,139 @@ def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def rank_desc(x: Tensor) -> Tensor:
-    """Rank of each element of a short 1-D vector in descending order, ties to the lower index
-    (a stable sort's order), computed from a comparison matrix so that every backend agrees
-    exactly; TopK's own tie order is not specified the same way everywhere."""
-    n = x.shape[0]
+    """Rank of each element of short vectors [..., n] in descending order, ties to the lower
+    index (a stable sort's order), computed from a comparison matrix so that every backend
+    agrees exactly; TopK's own tie order is not specified the same way everywhere."""
+    n = x.shape[-1]
     earlier = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)          # [i, j]: j < i
-    beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & earlier)
-    return beats.sum(1)
+    a, b = x[..., None, :], x[..., :, None]
+    beats = (a > b) | ((a == b) & earlier)
+    return beats.sum(-1)
 
 
 def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of a short 1-D vector with ties to the lower index."""
-    order = torch.topk(-rank_desc(x).float(), k).indices   # ranks are distinct: no ties left
-    return x[order], order
+    """Top-k along the last axis of short vectors [..., n] with ties to the lower index."""
+    order = torch.topk(-rank_desc(x).float(), k, dim=-1).indices   # ranks are distinct: no ties left
+    return x.gather(-1, order), order
 
 
 def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
-    """[M] parent indices (-1 for the root) -> [M, M] bool: each node and its ancestors."""
-    M = parents.shape[0]
+    """[..., M] parent indices (-1 for the root) -> [..., M, M] bool: each node and its ancestors."""
+    M = parents.shape[-1]
     eye = torch.eye(M, dtype=torch.float32, device=parents.device)
-    adj = torch.zeros(M, M + 1, dtype=torch.float32, device=parents.device)
+    adj = torch.zeros(*parents.shape, M + 1, dtype=torch.float32, device=parents.device)
     # Column M absorbs the root's "-1" parent and is dropped.
-    adj = adj.scatter(1, torch.where(parents < 0, M, parents)[:, None], 1.0)[:, :M]
+    adj = adj.scatter(-1, torch.where(parents < 0, M, parents)[..., None], 1.0)[..., :M]
     reach = eye + adj
     for _ in range(steps):   # reach covers paths of length <= 2**steps
         reach = (reach @ reach).clamp(max=1.0)
     return reach > 0
 
 
-def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_k: Tensor, past_v: Tensor,
-               shape: TreeShape) -> tuple[DraftTree, Tensor, Tensor]:
-    """Run drafter step 0 over T newly committed rows, then the D-1 expansion steps.
+def _pick(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, T, F], index [B, K] -> [B, K, F]: rows `index` of each sequence."""
+    return x.gather(1, index[..., None].expand(*index.shape, x.shape[-1]))
 
-    captured: [1, T, A * Ht] target states of committed tokens t..t+T-1
-    input_ids: [1, T] the tokens one position later (t+1..t+T); the last one is the root
-    past_k / past_v: [1, P, Hkv, D] drafter KV of earlier committed rows (position = row index)
-    Returns the tree and the drafter KV rows of the T committed inputs (to append to the cache).
+
+def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_k: Tensor, past_v: Tensor,
+                shape: TreeShape, past_lengths: Tensor | None = None, new_lengths: Tensor | None = None
+                ) -> tuple[DraftTree, Tensor, Tensor]:
+    """Run drafter step 0 over newly committed rows of B sequences, then the D-1 expansion steps.
+
+    captured: [B, T, A * Ht] target states of committed tokens t..t+T-1
+    input_ids: [B, T] the tokens one position later (t+1..t+T); sequence b's last valid one is its root
+    past_k / past_v: [B, P, Hkv, D] drafter KV of earlier committed rows (position = row index)
+    past_lengths: [B] committed rows of each sequence (rows beyond are padding, never seen); default P
+    new_lengths: [B] valid new rows of each sequence (1..T; the rest is padding); default T
+    Padding instead of packing: a sequence's rows stay one contiguous run, so positions, the
+    drafter's causal mask and its KV rows are plain offsets, and batch 1 is the same code.
+    Returns the batch of trees and the drafter KV rows of the T inputs (padding rows included;
+    the caller keeps the valid ones).
     """
     D, K = shape.depth, shape.top_k
-    T, P = input_ids.shape[1], past_k.shape[1]
+    B, T, P = input_ids.shape[0], input_ids.shape[1], past_k.shape[1]
     dev = input_ids.device   # every tensor made here lives with the inputs (CPU when exporting)
-    positions = torch.arange(T, dtype=torch.int64, device=dev)[None] + P
-    step0 = drafter(drafter.project(captured), input_ids, positions, causal_mask(T, P, dev), past_k, past_v)
+    if past_lengths is None:
+        past_lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
+    if new_lengths is None:
+        new_lengths = torch.full((B,), T, dtype=torch.int64, device=dev)
+    new_rows = torch.arange(T, dtype=torch.int64, device=dev)
+    positions = past_lengths[:, None] + new_rows[None]                                     # [B, T]
+    past_seen = torch.arange(P, dtype=torch.int64, device=dev)[None] < past_lengths[:, None]   # [B, P]
+    causal = new_rows[None, :] <= new_rows[:, None]                                        # [T, T]
+    mask0 = torch.cat((past_seen[:, None].expand(B, T, P), causal[None].expand(B, T, T)), dim=2)
+    step0 = drafter(drafter.project(captured), input_ids, positions, mask0, past_k, past_v)
     ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 1), torch.cat((past_v, step0.new_v), 1)
 
-    logp = torch.log_softmax(step0.logits[0, -1].float(), dim=-1)
-    scores, draft_ids = _topk(logp, K)                                   # [K]
+    last = (new_lengths - 1)[:, None]                                                      # [B, 1]
+    logp = torch.log_softmax(_pick(step0.logits, last)[:, 0].float(), dim=-1)               # [B, Vd]
+    scores, draft_ids = _topk(logp, K)                                                     # [B, K]
     tokens = drafter.to_target_ids(draft_ids)
     all_scores, all_tokens = [scores], [tokens]
-    all_parents = [torch.full((K,), -1, dtype=torch.int64, device=dev)]
-    frontier = torch.arange(K, device=dev)                               # candidate index of each frontier node
-    state = step0.feedback[:, -1:].expand(1, K, step0.feedback.shape[-1])
+    all_parents = [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
+    frontier = torch.arange(K, device=dev)[None].expand(B, K)          # candidate index of each frontier node
+    state = _pick(step0.feedback, last).expand(B, K, step0.feedback.shape[-1])
+    root_position = past_lengths + new_lengths - 1                                         # [B]
     # Tree KV rows and the frontier's visibility of them exist from step 2 on; keeping them
     # None before that avoids empty tensors in the exported graph.
     tree_k = tree_v = ancestors = None
     eye = torch.eye(K, dtype=torch.bool, device=dev)
-    seen = torch.ones(K, P + T, dtype=torch.bool, device=dev)
+    seen = torch.cat((past_seen, new_rows[None] < new_lengths[:, None]), dim=1)[:, None].expand(B, K, P + T)
+    eyes = eye[None].expand(B, K, K)
     offset = K
     for step in range(1, D):
-        pos = (positions[:, -1:] + step).expand(1, K)
+        pos = (root_position + step)[:, None].expand(B, K)
         if ancestors is None:
-            mask, kv_k, kv_v = torch.cat((seen, eye), dim=1), ctx_k, ctx_v
+            mask, kv_k, kv_v = torch.cat((seen, eyes), dim=2), ctx_k, ctx_v
         else:
-            mask = torch.cat((seen, ancestors, eye), dim=1)
+            mask = torch.cat((seen, ancestors, eyes), dim=2)
             kv_k, kv_v = torch.cat((ctx_k, tree_k), 1), torch.cat((ctx_v, tree_v), 1)
-        out = drafter(state, tokens[None], pos, mask[None], kv_k, kv_v)
+        out = drafter(state, tokens, pos, mask, kv_k, kv_v)
         tree_k = out.new_k if tree_k is None else torch.cat((tree_k, out.new_k), 1)
         tree_v = out.new_v if tree_v is None else torch.cat((tree_v, out.new_v), 1)
-        child_logp, child_ids = _topk(torch.log_softmax(out.logits[0].float(), dim=-1), K)   # [K, K]
-        cand_scores = (scores[:, None] + child_logp).reshape(-1)                             # [K*K]
-        cand_tokens = drafter.to_target_ids(child_ids).reshape(-1)
+        child_logp, child_ids = _topk(torch.log_softmax(out.logits.float(), dim=-1), K)       # [B, K, K]
+        cand_scores = (scores[:, :, None] + child_logp).reshape(B, K * K)
+        cand_tokens = drafter.to_target_ids(child_ids).reshape(B, K * K)
         all_scores.append(cand_scores)
         all_tokens.append(cand_tokens)
-        all_parents.append(frontier.repeat_interleave(K))
+        all_parents.append(frontier.repeat_interleave(K, dim=1))
         scores, best = stable_topk(cand_scores, K)
-        parent_local = torch.div(best, K, rounding_mode="floor")
-        tokens = cand_tokens[best]
-        state = out.feedback[:, parent_local]
+        parent_local = torch.div(best, K, rounding_mode="floor")                             # [B, K]
+        tokens = cand_tokens.gather(1, best)
+        state = _pick(out.feedback, parent_local)
         ancestors = eye[parent_local] if ancestors is None else \
-            torch.cat((ancestors[parent_local], eye[parent_local]), dim=1)
+            torch.cat((_pick(ancestors, parent_local), eye[parent_local]), dim=2)
         frontier = offset + best
         offset += K * K
 
-    return select_nodes(torch.cat(all_scores), torch.cat(all_tokens), torch.cat(all_parents), shape), \
+    return select_nodes(torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1), shape), \
         step0.new_k, step0.new_v
 
 
+def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_k: Tensor, past_v: Tensor,
+               shape: TreeShape) -> tuple[DraftTree, Tensor, Tensor]:
+    """draft_trees for one sequence ([1, ...] inputs, every row valid), its tree unbatched."""
+    trees, new_k, new_v = draft_trees(drafter, captured, input_ids, past_k, past_v, shape)
+    return trees.row(0), new_k, new_v
+
+
 def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeShape) -> DraftTree:
-    """Keep the N best candidates by cumulative log-prob.
+    """Keep the N best candidates [..., M] by cumulative log-prob.
 
     A child's score never exceeds its parent's (log-probs are <= 0) and parents come earlier
     in candidate order, so ranking with ties to the lower index puts every parent ahead of its
     children: the kept set is closed under ancestry, even when a child's log-prob is exactly 0.
     Keeping candidate order puts parents first."""
-    N, M, dev = shape.total_tokens, scores.shape[0], scores.device
+    N, M, dev = shape.total_tokens, scores.shape[-1], scores.device
+    lead = scores.shape[:-1]
     kept = rank_desc(scores) < N
     # Kept candidate indices in increasing order: one TopK over (M - index) of the kept ones.
-    keep = M - torch.topk(torch.where(kept, M - torch.arange(M, device=dev), 0), N).values
-    slot = torch.zeros(scores.shape[0] + 1, dtype=torch.int64, device=dev)
-    slot = slot.scatter(0, keep, torch.arange(1, N + 1, device=dev))      # candidate -> node index
-    node_parents = slot[torch.where(parents[keep] < 0, scores.shape[0], parents[keep])]   # root -> slot[M] = 0
-    parents_full = torch.cat((torch.full((1,), -1, dtype=torch.int64, device=dev), node_parents))
+    keep = M - torch.topk(torch.where(kept, M - torch.arange(M, device=dev), 0), N, dim=-1).values
+    slot = torch.zeros(*lead, M + 1, dtype=torch.int64, device=dev)
+    slot = slot.scatter(-1, keep, torch.arange(1, N + 1, device=dev).expand(*lead, N))   # candidate -> node index
+    kept_parents = parents.gather(-1, keep)
+    node_parents = slot.gather(-1, torch.where(kept_parents < 0, M, kept_parents))      # root -> slot[M] = 0
+    parents_full = torch.cat((torch.full((*lead, 1), -1, dtype=torch.int64, device=dev), node_parents), -1)
     mask = ancestor_mask(parents_full, shape.closure_steps())
     depths = mask.sum(-1) - 1
-    return DraftTree(tokens[keep], parents_full, mask, depths, scores[keep])
+    return DraftTree(tokens.gather(-1, keep), parents_full, mask, depths, scores.gather(-1, keep))

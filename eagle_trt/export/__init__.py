@@ -15,6 +15,9 @@ __all__ = ["ExportedGraph", "UnsupportedGraph", "check_graph", "export_drafter_s
            "export_pipeline", "export_target"]
 
 
+GRAPH_FORMAT = 2   # 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree
+
+
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
                     log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export target + drafter-tree graphs (and optionally the single-step drafter graphs)
@@ -23,7 +26,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     another tree shape re-exports only the drafter graph. Returns name -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = {"target": str(models.target.folder), "dtype": dtype, "capture": list(models.target.model.capture_streams)}
+    base = {"target": str(models.target.folder), "dtype": dtype, "capture": list(models.target.model.capture_streams),
+            "format": GRAPH_FORMAT}
     drafter_key = dict(base, drafter=models.drafter_source)
     stamp = out_dir / "export.json"
     previous = json.loads(stamp.read_text()) if stamp.is_file() else {}

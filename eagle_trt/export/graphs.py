@@ -2,12 +2,14 @@
 
 Names are the graphs' contract with every runtime (ONNX Runtime, TensorRT, Triton):
 
-target:        input_ids [1,T] i64, position_ids [1,T] i64, attention_mask [1,T,P+T] bool,
-               logits_index [K] i64 (positions that get logits), past_key_{i}, past_value_{i} [1,P,Hkv,D]
-           ->  logits [1,K,V], captured [1,T,A*H], new_key_{i}, new_value_{i} [1,T,Hkv,D]
-drafter tree:  captured [1,T,A*Ht], input_ids [1,T] i64, past_key, past_value [1,P,Hkv,D]
-           ->  tree_tokens [N] i64, tree_parents [N+1] i64, tree_mask [N+1,N+1] bool,
-               tree_depths [N+1] i64, tree_scores [N] f32, new_key, new_value [1,T,Hkv,D]
+target:        input_ids [B,T] i64, position_ids [B,T] i64, attention_mask [B,T,P+T] bool,
+               logits_index [K] i64 (positions that get logits), past_key_{i}, past_value_{i} [B,P,Hkv,D]
+           ->  logits [B,K,V], captured [B,T,A*H], new_key_{i}, new_value_{i} [B,T,Hkv,D]
+               (a sequence's past rows beyond its own length are masked out in attention_mask)
+drafter tree:  captured [B,T,A*Ht], input_ids [B,T] i64, past_key, past_value [B,P,Hkv,D],
+               past_lengths [B] i64 (valid past rows), new_lengths [B] i64 (valid new rows, >= 1)
+           ->  tree_tokens [B,N] i64, tree_parents [B,N+1] i64, tree_mask [B,N+1,N+1] bool,
+               tree_depths [B,N+1] i64, tree_scores [B,N] f32, new_key, new_value [B,T,Hkv,D]
 drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,T,P+T], past_key,
                past_value -> logits [1,T,Vd], feedback [1,T,H], new_key, new_value
                (W = A*Ht for the first step, which applies fc; W = H for later steps)
@@ -19,7 +21,7 @@ from torch import Tensor, nn
 from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget
-from ..tree import draft_tree
+from ..tree import draft_trees
 
 
 def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -43,20 +45,22 @@ class TargetGraph(nn.Module):
         return (out.logits, out.captured, *kv)
 
 
-DRAFT_TREE_INPUTS = ["captured", "input_ids", "past_key", "past_value"]
+DRAFT_TREE_INPUTS = ["captured", "input_ids", "past_key", "past_value", "past_lengths", "new_lengths"]
 DRAFT_TREE_OUTPUTS = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores",
                       "new_key", "new_value"]
 
 
 class DraftTreeGraph(nn.Module):
-    """Step 0 over the committed rows plus the unrolled tree expansion, in one graph."""
+    """Step 0 over the committed rows plus the unrolled tree expansion, in one graph, for a batch."""
 
     def __init__(self, drafter: EagleDrafter, shape: TreeShape):
         super().__init__()
         self.drafter, self.shape = drafter, shape
 
-    def forward(self, captured: Tensor, input_ids: Tensor, past_key: Tensor, past_value: Tensor):
-        tree, new_k, new_v = draft_tree(self.drafter, captured, input_ids, past_key, past_value, self.shape)
+    def forward(self, captured: Tensor, input_ids: Tensor, past_key: Tensor, past_value: Tensor,
+                past_lengths: Tensor, new_lengths: Tensor):
+        tree, new_k, new_v = draft_trees(self.drafter, captured, input_ids, past_key, past_value, self.shape,
+                                         past_lengths, new_lengths)
         return tree.tokens, tree.parents, tree.mask, tree.depths, tree.scores, new_k, new_v
 
 

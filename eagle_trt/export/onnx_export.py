@@ -24,7 +24,7 @@ DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Example sizes for tracing: distinct and non-zero, so a size that got baked in as a
 # constant shows up as a wrong shape when the parity tests run other sizes.
-TRACE_NEW, TRACE_PAST = 3, 5
+TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
 
 
 @dataclass
@@ -67,45 +67,51 @@ def _as_dtype(module, dtype: str):
     return (module if current == target else copy.deepcopy(module).to(target)).eval()
 
 
-def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype) -> torch.Tensor:
-    return torch.randn(1, length, num_kv_heads, head_dim).to(dtype)
+def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype, batch: int = 1) -> torch.Tensor:
+    return torch.randn(batch, length, num_kv_heads, head_dim).to(dtype)
 
 
 def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
     cfg = model.cfg
     model = _as_dtype(model, dtype)
     inputs, outputs = target_io_names(cfg.num_hidden_layers)
-    T, P = TRACE_NEW, TRACE_PAST
-    past = [_kv_like(cfg.num_key_value_heads, cfg.head_dim, P, DTYPES[dtype]) for _ in range(2 * cfg.num_hidden_layers)]
-    args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(P, P + T)[None], causal_mask(T, P),
-            torch.arange(T - 1), *past)
-    axes = {"input_ids": {1: "new_tokens"}, "position_ids": {1: "new_tokens"},
-            "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "logits_index": {0: "logit_tokens"},
-            "logits": {1: "logit_tokens"}, "captured": {1: "new_tokens"}}
+    B, T, P = TRACE_BATCH, TRACE_NEW, TRACE_PAST
+    past = [_kv_like(cfg.num_key_value_heads, cfg.head_dim, P, DTYPES[dtype], B) for _ in range(2 * cfg.num_hidden_layers)]
+    args = (torch.zeros(B, T, dtype=torch.int64), torch.arange(P, P + T)[None].repeat(B, 1),
+            causal_mask(T, P).repeat(B, 1, 1), torch.arange(T - 1), *past)
+    axes = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
+            "attention_mask": {0: "batch", 1: "new_tokens", 2: "total_tokens"}, "logits_index": {0: "logit_tokens"},
+            "logits": {0: "batch", 1: "logit_tokens"}, "captured": {0: "batch", 1: "new_tokens"}}
     for name in inputs[4:]:
-        axes[name] = {1: "past_tokens"}
+        axes[name] = {0: "batch", 1: "past_tokens"}
     for name in outputs[2:]:
-        axes[name] = {1: "new_tokens"}
+        axes[name] = {0: "batch", 1: "new_tokens"}
     return _export(TargetGraph(model), args, path, inputs, outputs, axes, opset)
 
 
-def _drafter_example(drafter: EagleDrafter, dtype) -> tuple:
+def _drafter_example(drafter: EagleDrafter, dtype, batch: int = 1) -> tuple:
     c = drafter.cfg
     T, P = TRACE_NEW, TRACE_PAST
-    captured = torch.randn(1, T, c.num_aux_hidden_states * c.target_hidden_size).to(dtype)
-    ids = torch.randint(0, c.vocab_size, (1, T))
-    return captured, ids, _kv_like(c.num_key_value_heads, c.head_dim, P, dtype), \
-        _kv_like(c.num_key_value_heads, c.head_dim, P, dtype)
+    captured = torch.randn(batch, T, c.num_aux_hidden_states * c.target_hidden_size).to(dtype)
+    ids = torch.randint(0, c.vocab_size, (batch, T))
+    return captured, ids, _kv_like(c.num_key_value_heads, c.head_dim, P, dtype, batch), \
+        _kv_like(c.num_key_value_heads, c.head_dim, P, dtype, batch)
 
 
 def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dtype: str = "float32",
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
     drafter = _as_dtype(drafter, dtype)
     shape.validate(drafter.cfg.draft_vocab_size)
-    axes = {"captured": {1: "new_tokens"}, "input_ids": {1: "new_tokens"}, "past_key": {1: "past_tokens"},
-            "past_value": {1: "past_tokens"}, "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
-    return _export(DraftTreeGraph(drafter, shape), _drafter_example(drafter, DTYPES[dtype]), path,
-                   DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset)
+    axes = {"captured": {0: "batch", 1: "new_tokens"}, "input_ids": {0: "batch", 1: "new_tokens"},
+            "past_key": {0: "batch", 1: "past_tokens"}, "past_value": {0: "batch", 1: "past_tokens"},
+            "past_lengths": {0: "batch"}, "new_lengths": {0: "batch"},
+            "new_key": {0: "batch", 1: "new_tokens"}, "new_value": {0: "batch", 1: "new_tokens"}}
+    for name in DRAFT_TREE_OUTPUTS[:5]:
+        axes[name] = {0: "batch"}
+    # Traced with two sequences of different lengths, so no length is baked in as a constant.
+    example = _drafter_example(drafter, DTYPES[dtype], TRACE_BATCH) + \
+        (torch.tensor([TRACE_PAST, TRACE_PAST - 2]), torch.tensor([TRACE_NEW, TRACE_NEW - 1]))
+    return _export(DraftTreeGraph(drafter, shape), example, path, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset)
 
 
 def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: str = "float32",

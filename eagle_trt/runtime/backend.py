@@ -1,10 +1,16 @@
-"""The two things the speculative loop asks of a backend, and the PyTorch implementation.
+"""What the speculative loop asks of a backend, for a batch of sequences, and the PyTorch
+implementation.
 
-ONNX Runtime and TensorRT backends implement the same two protocols; the loop in
-`decoder.py` never sees which one it runs."""
+`TargetBackend` and `DrafterBackend` own the batched KV caches (runtime/kv_cache.py), the
+masks and the bookkeeping; a backend supplies only `_run`, one graph call. The ONNX Runtime,
+TensorRT and Triton-BLS backends subclass the same two classes, so the decoding loop in
+`decoder.py` never sees which one it runs, and batch 1 is the same code with B = 1.
+
+Batching is by padding: every sequence of a call gets the same number T of new rows, and each
+sequence's past is the first `width` rows of its slot with the rows beyond its own committed
+length masked out. Padding keeps a sequence's rows one contiguous run, so positions, masks and
+the KV rows a graph returns are plain per-sequence offsets."""
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -12,87 +18,164 @@ from torch import Tensor
 from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget
-from ..tree import DraftTree, draft_tree
-from .kv_cache import KVCache
+from ..tree import DraftTree, draft_trees
+from .kv_cache import CHUNK, KVCache
 
 
-class TargetBackend(Protocol):
-    max_context: int
+class _Batched:
+    """The batched KV cache and slot bookkeeping shared by target and drafter backends.
 
-    def reset(self, capacity: int) -> None:
-        """Start a new sequence with room for `capacity` KV rows."""
+    contiguous_past: the graph runtime binds the past as one memory block (ONNX Runtime, TensorRT),
+    so a call over several sequences binds every row of the cache (`width` = capacity; rows
+    beyond a sequence's length are masked). PyTorch takes a strided view: width = longest past."""
+    contiguous_past = True
+    cache: KVCache | None = None
+
+    def _new_cache(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
+        self.cache = KVCache(num_layers, kv_heads, head_dim, capacity, dtype, device)
+
+    def add_sequence(self, rows: int = 0) -> int:
+        """A new sequence in the next free slot (room for `rows` rows); returns the slot."""
+        return self.cache.add(rows)
+
+    def remove_sequence(self, slot: int) -> None:
+        """Free `slot`; the last sequence moves into it."""
+        self.cache.remove(slot)
 
     @property
-    def length(self) -> int:
-        """Committed tokens in the KV cache."""
+    def batch(self) -> int:
+        return self.cache.batch
 
-    def forward(self, input_ids: Tensor, positions: Tensor, mask: Tensor, last_only: bool = False
-                ) -> tuple[Tensor, Tensor]:
-        """Run T new tokens after the committed ones. mask [T, T] says which new tokens each new
-        token sees (causal for prefill, the tree mask for verification); all committed tokens
-        are visible. Returns logits [T or 1, V] and captured states [T, A * H]. Rows are staged.
-        Inputs may live on any device; outputs stay on the backend's (the PyTorch backend's
-        model device), so a CUDA loop moves only token ids and the accepted path."""
-
-    def commit(self, rows: list[int]) -> None:
-        """Keep these staged rows, in order, as the next committed tokens."""
-
-
-class DrafterBackend(Protocol):
-    shape: TreeShape
-
-    def reset(self, capacity: int) -> None: ...
-
-    def draft(self, captured: Tensor, input_ids: Tensor) -> DraftTree:
-        """Encode T newly committed rows (target states [T, A * H] of tokens t.., token ids
-        [T] of tokens t+1..) into the drafter cache and expand a draft tree from the last."""
-
-
-class TorchTarget:
-    def __init__(self, model: LlamaTarget):
-        self.model = model.eval()
-        self.max_context = model.cfg.max_position_embeddings
-        self.device = model.embed_tokens.weight.device
-        self.cache: KVCache | None = None
-
-    def reset(self, capacity: int) -> None:
-        cfg, w = self.model.cfg, self.model.embed_tokens.weight
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, w.device)
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache.lengths
 
     @property
     def length(self) -> int:
         return self.cache.length
 
-    @torch.inference_mode()
-    def forward(self, input_ids, positions, mask, last_only=False):
-        T, P, dev = input_ids.shape[0], self.cache.length, self.device
-        input_ids, positions, mask = input_ids.to(dev), positions.to(dev), mask.to(dev)   # no-ops when there already
-        full = torch.cat((torch.ones(T, P, dtype=torch.bool, device=dev), mask), dim=1)[None]
-        index = torch.full((1,), T - 1, device=dev) if last_only else None
-        out = self.model(input_ids[None], positions[None], full, *self.cache.past(), index)
-        self.cache.write(out.new_k, out.new_v)
-        return out.logits[0], out.captured[0]
+    def _stage(self, slots: range | None, T: int) -> tuple[range, Tensor, int]:
+        """Stage T rows per sequence; returns the slots, their committed lengths [b] and the past width."""
+        slots = slots if slots is not None else range(self.cache.batch)
+        if len(slots) == 0:
+            raise ValueError("a forward pass needs at least one sequence (add_sequence first)")
+        self.cache.stage(slots, T)
+        lengths = torch.tensor([self.cache.lengths[b] for b in slots], dtype=torch.int64)
+        width = self.cache.capacity if self.contiguous_past and len(slots) > 1 else int(lengths.max())
+        return slots, lengths, width
 
-    def commit(self, rows: list[int]) -> None:
+    def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:
+        return self.cache.past(slots, width, layer)
+
+
+class TargetBackend(_Batched):
+    max_context: int
+
+    def reset(self, capacity: int = CHUNK) -> None:
+        """Drop every sequence; with `capacity`, preallocate that many rows per slot."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: Tensor, positions: Tensor, mask: Tensor, slots: range | None = None,
+                last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """Run T new tokens after the committed ones of each sequence in `slots` (default: all).
+        input_ids / positions [b, T]; mask [b, T, T] says which new tokens each new token sees
+        (causal for prefill, the tree mask for verification, identity for padding); each
+        sequence's committed tokens are all visible. Returns logits [b, T or 1, V] and captured
+        states [b, T, A * H]; the rows are staged. Inputs may live on any device; outputs stay on
+        the backend's, so a CUDA loop moves only token ids and the accepted paths."""
+        T = int(input_ids.shape[1])
+        index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
+        return self._forward(input_ids, positions, mask, slots, index)
+
+    def _forward(self, input_ids, positions, mask, slots, index):
+        T = int(input_ids.shape[1])
+        slots, lengths, width = self._stage(slots, T)
+        past = torch.arange(width)[None] < lengths[:, None]                                  # [b, width]
+        full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to("cpu", torch.bool)), dim=2)
+        logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
+        self.cache.write(new_k, new_v)
+        return logits, captured
+
+    def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, logits_index: Tensor, slots: range,
+             width: int) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+        """One target-graph call: logits, captured, and the new K / V rows per layer [b, T, Hkv, D]."""
+        raise NotImplementedError
+
+    def commit(self, rows: list[list[int]]) -> None:
+        """Keep these staged rows of each sequence of the last forward, in order, as its next committed tokens."""
         self.cache.commit(rows)
 
 
-class TorchDrafter:
+class DrafterBackend(_Batched):
+    shape: TreeShape
+
+    def reset(self, capacity: int = CHUNK) -> None:
+        raise NotImplementedError
+
+    def draft(self, captured: Tensor, input_ids: Tensor, new_lengths: list[int] | None = None,
+              slots: range | None = None) -> DraftTree:
+        """Encode newly committed rows (target states [b, T, A * H] of tokens t.., token ids
+        [b, T] of tokens t+1..; sequence i has new_lengths[i] valid rows, the rest padding) into
+        the drafter cache and expand a draft tree from each sequence's last valid row.
+        Returns the batch of trees ([b, ...] fields)."""
+        T = int(input_ids.shape[1])
+        slots, lengths, width = self._stage(slots, T)
+        new_lengths = new_lengths or [T] * len(slots)
+        tree, new_k, new_v = self._run(captured, input_ids, lengths, torch.tensor(new_lengths, dtype=torch.int64),
+                                       slots, width)
+        self.cache.write([new_k], [new_v])
+        self.cache.commit([list(range(n)) for n in new_lengths])
+        return tree
+
+    def _run(self, captured: Tensor, input_ids: Tensor, past_lengths: Tensor, new_lengths: Tensor, slots: range,
+             width: int) -> tuple[DraftTree, Tensor, Tensor]:
+        """One drafter-tree call: the trees and the drafter KV rows of the T inputs [b, T, Hkv, D]."""
+        raise NotImplementedError
+
+
+def tree_from_outputs(out: dict[str, Tensor]) -> DraftTree:
+    """A DraftTree from a drafter-tree graph's named outputs (any backend), on the CPU."""
+    return DraftTree(*(out[n].cpu() for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
+                     out["tree_scores"].float().cpu())
+
+
+class TorchTarget(TargetBackend):
+    contiguous_past = False
+
+    def __init__(self, model: LlamaTarget):
+        self.model = model.eval()
+        self.max_context = model.cfg.max_position_embeddings
+        self.device = model.embed_tokens.weight.device
+
+    def reset(self, capacity: int = CHUNK) -> None:
+        cfg, w = self.model.cfg, self.model.embed_tokens.weight
+        self._new_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, w.device)
+
+    @torch.inference_mode()
+    def _run(self, input_ids, positions, mask, logits_index, slots, width):
+        dev = self.device
+        past = [self._past(slots, width, i) for i in range(self.model.cfg.num_hidden_layers)]
+        out = self.model(input_ids.to(dev), positions.to(dev), mask.to(dev), [k for k, _ in past],
+                         [v for _, v in past], logits_index.to(dev))
+        return out.logits, out.captured, out.new_k, out.new_v
+
+
+class TorchDrafter(DrafterBackend):
+    contiguous_past = False
+
     def __init__(self, model: EagleDrafter, shape: TreeShape):
         self.model = model.eval()
         self.shape = shape.validate(model.cfg.draft_vocab_size)
-        self.cache: KVCache | None = None
 
-    def reset(self, capacity: int) -> None:
+    def reset(self, capacity: int = CHUNK) -> None:
         cfg, w = self.model.cfg, self.model.fc.weight
-        self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, w.device)
+        self._new_cache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, w.device)
 
     @torch.inference_mode()
-    def draft(self, captured: Tensor, input_ids: Tensor) -> DraftTree:
-        past_k, past_v = self.cache.past()
+    def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         w = self.model.fc.weight
-        tree, new_k, new_v = draft_tree(self.model, captured[None].to(w.device, w.dtype), input_ids[None].to(w.device),
-                                        past_k[0], past_v[0], self.shape)
-        self.cache.write([new_k], [new_v])
-        self.cache.commit(list(range(new_k.shape[1])))
-        return tree
+        past_k, past_v = self._past(slots, width, 0)
+        tree, new_k, new_v = draft_trees(self.model, captured.to(w.device, w.dtype), input_ids.to(w.device),
+                                         past_k, past_v, self.shape, past_lengths.to(w.device),
+                                         new_lengths.to(w.device))
+        return tree, new_k, new_v

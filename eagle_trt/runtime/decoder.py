@@ -1,5 +1,18 @@
-"""The speculative decoding loop (one drafter call and one target call per iteration) and the
-plain autoregressive loop it is measured against. Backend-agnostic: see backend.py."""
+"""The speculative decoding loop over a batch of sequences, with continuous batching, and plain
+autoregressive decoding as the same loop without a drafter. Backend-agnostic: see backend.py.
+
+One iteration (`step`) for the B running sequences:
+  1. the cost model (cost.py) picks n, the draft nodes each sequence verifies (all N without one);
+  2. n > 0: one drafter call encodes every sequence's newly committed rows and drafts its tree;
+  3. one target call verifies each root plus the n best nodes of its tree ([B, 1 + n] rows);
+  4. per sequence: accept (greedy or sampled, its own seed), commit its accepted rows, stream
+     its new tokens; a sequence that hits EOS or max_new_tokens, or whose client stopped,
+     leaves at once and frees its slot.
+Sequences join between iterations (`add`): the prompt is prefilled alone (B = 1 on its slot;
+prompts differ too much in length to pad together, and a long prefill is compute-bound
+anyway) and the drafter encodes all but its last row, so a joining sequence brings one pending
+row to the next batched drafter call like every other sequence.
+`generate` is this loop with one sequence."""
 from __future__ import annotations
 
 import time
@@ -10,8 +23,10 @@ import torch
 
 from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
+from ..tree import DraftTree, rank_desc
 from ..verify import accept_greedy, accept_sampled, sample_token
 from .backend import DrafterBackend, TargetBackend
+from .cost import CostModel
 
 
 @dataclass
@@ -19,10 +34,11 @@ class GenerationResult:
     tokens: list[int]                      # generated ids, prompt excluded
     accept_lengths: list[int] = field(default_factory=list)  # tokens per verify call, bonus included
     target_calls: int = 0                  # prefill included
-    drafter_calls: int = 0
+    drafter_calls: int = 0                 # drafting iterations (encoding the prompt is part of prefill)
     seconds: float = 0.0
     prompt_tokens: int = 0
     stop_reason: str = ""                  # "eos", "max_new_tokens" or "cancelled" (on_tokens said stop)
+    token_times: list[float] = field(default_factory=list)   # seconds from start at which each token became final
 
     @property
     def mean_accept_length(self) -> float:
@@ -54,87 +70,206 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
     return tokens, None
 
 
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    on_tokens: Callable[[list[int]], bool | None] | None = None   # streams final tokens; False stops early
+
+
+def _empty_tree(device) -> DraftTree:
+    """The root alone: verifying it is one step of plain decoding."""
+    z = torch.zeros(0, dtype=torch.int64, device=device)
+    return DraftTree(z, torch.full((1,), -1, dtype=torch.int64, device=device),
+                     torch.ones(1, 1, dtype=torch.bool, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                     z.float())
+
+
+class Sequence:
+    """One request's decoding state inside the batch."""
+
+    def __init__(self, request: Request, gen: torch.Generator | None, start: float):
+        self.request, self.gen, self.start = request, gen, start
+        self.result = GenerationResult(tokens=[], prompt_tokens=len(request.prompt_ids))
+        self.emitted = 0
+        self.pending_states = None        # [r, A * H] target states of committed rows the drafter has not seen
+        self.pending_ids: list[int] = []  # the ids one position later (the last is the root)
+        self.stop: str | None = None
+
+    def extend(self, new: list[int], eos_ids: set[int]) -> None:
+        r = self.result
+        now = time.perf_counter() - self.start
+        r.tokens, self.stop = _finish(r.tokens + new, self.request.max_new_tokens, eos_ids)
+        on_tokens = self.request.on_tokens
+        if len(r.tokens) > self.emitted:
+            r.token_times += [now] * (len(r.tokens) - self.emitted)
+            if on_tokens is not None and on_tokens(r.tokens[self.emitted:]) is False:
+                self.stop = self.stop or "cancelled"
+            self.emitted = len(r.tokens)
+        if self.stop:
+            r.stop_reason, r.seconds = self.stop, now
+
+
 class SpeculativeDecoder:
-    def __init__(self, target: TargetBackend, drafter: DrafterBackend, eos_ids: set[int] | list[int],
-                 vocab_size: int | None = None):
+    """drafter=None: plain autoregressive decoding through the same loop.
+    cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
+    verifies every node of every tree (the right call for one sequence on any backend)."""
+
+    def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
+                 vocab_size: int | None = None, cost_model: CostModel | None = None):
         self.target, self.drafter = target, drafter
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
+        self.cost_model = cost_model
+        self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
+        self.started = False
+
+    @property
+    def nodes(self) -> int:
+        return self.drafter.shape.total_tokens if self.drafter is not None else 0
+
+    def _timed(self, call, record):
+        start = time.perf_counter()
+        out = call()
+        if self.cost_model is not None:
+            record(time.perf_counter() - start)
+        return out
+
+    def reset(self) -> None:
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.active, self.started = [], True
+
+    def add(self, request: Request) -> Sequence:
+        """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
+        for a request the decoder would refuse, before touching the caches."""
+        sampling = (request.sampling or SamplingConfig()).validate()
+        request.sampling = sampling
+        check_request(request.prompt_ids, request.max_new_tokens, self.target.max_context, self.vocab_size)
+        if not self.started or not self.active:
+            self.reset()
+        seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+                       time.perf_counter())
+        prompt, n = request.prompt_ids, len(request.prompt_ids)
+        rows = n + request.max_new_tokens + self.nodes + 1
+        slot = self.target.add_sequence(rows)
+        here = range(slot, slot + 1)
+        ids = torch.tensor([prompt], dtype=torch.int64)
+        logits, captured = self._timed(
+            lambda: self.target.forward(ids, torch.arange(n)[None], causal_mask(n, 0), here, last_only=True),
+            lambda s: self.cost_model.time_target(n, s))
+        self.target.commit([list(range(n))])
+        seq.result.target_calls = 1
+        self.active.append(seq)
+        first = sample_token(logits[0, -1], sampling, seq.gen)
+        # The drafter pairs the target state of token t with the id of token t + 1.
+        seq.pending_states, seq.pending_ids = captured[0], prompt[1:] + [first]
+        if self.drafter is not None:
+            self.drafter.add_sequence(rows)
+            if n > 1:   # encode all but the last row now; the batched call takes one row per new sequence
+                self.drafter.draft(captured[:, :n - 1], torch.tensor([prompt[1:]]), None, here)
+                seq.pending_states, seq.pending_ids = captured[0, n - 1:], [first]
+        seq.extend([first], self.eos_ids)
+        if seq.stop:
+            self._leave(slot)
+        return seq
+
+    def _leave(self, slot: int) -> None:
+        self.target.remove_sequence(slot)
+        if self.drafter is not None:
+            self.drafter.remove_sequence(slot)
+        self.active[slot] = self.active[-1]
+        self.active.pop()
+
+    def _draft(self, batch: list[Sequence]) -> DraftTree:
+        lengths = [len(s.pending_ids) for s in batch]
+        T, width = max(lengths), batch[0].pending_states.shape[-1]
+        states = batch[0].pending_states.new_zeros(len(batch), T, width)
+        ids = torch.zeros(len(batch), T, dtype=torch.int64)
+        for i, s in enumerate(batch):   # padding rows are never committed nor seen
+            states[i, :lengths[i]] = s.pending_states
+            ids[i, :lengths[i]] = torch.tensor(s.pending_ids)
+        trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
+                            lambda sec: self.cost_model.time_draft(len(batch), T, sec))
+        for s in batch:
+            s.pending_states, s.pending_ids = None, []
+            s.result.drafter_calls += 1
+        return trees
+
+    def step(self) -> list[Sequence]:
+        """One iteration for every active sequence; returns those that finished in it."""
+        batch = list(self.active)
+        if not batch:
+            return []
+        B = len(batch)
+        n = self.nodes if self.cost_model is None or self.drafter is None else self.cost_model.choose(B)
+        roots = [s.result.tokens[-1] for s in batch]
+        if n > 0:
+            full = self._draft(batch)
+            trees = [full.row(i).top(n) for i in range(B)]
+        else:
+            trees = [_empty_tree("cpu")] * B
+        lengths = self.target.lengths
+        ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees)])
+        positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(trees)])
+        mask = torch.stack([t.mask.cpu() for t in trees])
+        logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
+                                       lambda s: self.cost_model.time_target(B * (1 + n), s))
+        paths, news = [], []
+        node_ids = ids.tolist()   # one transfer, not one per accepted node
+        for i, (s, tree) in enumerate(zip(batch, trees)):
+            sampling = s.request.sampling
+            if sampling.greedy:
+                path, bonus = accept_greedy(tree, logits[i])
+            else:
+                path, bonus = accept_sampled(tree, logits[i], sampling, s.gen)
+            paths.append(path)
+            news.append([node_ids[i][j] for j in path[1:]] + [bonus])
+            if self.cost_model is not None and n > 0:
+                ranks = rank_desc(tree.scores).tolist()
+                self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)
+        self.target.commit(paths)
+        finished = []
+        for i, (s, path, new) in enumerate(zip(batch, paths, news)):
+            s.result.target_calls += 1
+            s.result.accept_lengths.append(len(new))
+            accepted = captured[i, path]
+            s.pending_states = accepted if s.pending_states is None else torch.cat((s.pending_states, accepted))
+            s.pending_ids = s.pending_ids + new
+            s.extend(new, self.eos_ids)
+            if s.stop:
+                finished.append(s)
+        for s in finished:   # free slots at once; the last sequence moves into the freed slot
+            self._leave(self.active.index(s))
+        return finished
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Drop a sequence between steps (its client went away)."""
+        if seq in self.active:
+            seq.stop = seq.result.stop_reason = reason
+            seq.result.seconds = time.perf_counter() - seq.start
+            self._leave(self.active.index(seq))
+
+    def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
+        """Decode every request, at most max_batch at a time: a request joins as soon as a running
+        one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
+        waiting, seqs = list(requests), []
+        while waiting or self.active:
+            while waiting and len(self.active) < max_batch:
+                seqs.append(self.add(waiting.pop(0)))
+            self.step()
+        return [s.result for s in seqs]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
                  on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
-        """on_tokens(ids) streams the tokens as they become final; returning False stops early."""
-        sampling = (sampling or SamplingConfig()).validate()
-        check_request(prompt_ids, max_new_tokens, self.target.max_context, self.vocab_size)
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        start = time.perf_counter()
-        n, N = len(prompt_ids), self.drafter.shape.total_tokens
-        capacity = n + max_new_tokens + N + 1
-        self.target.reset(capacity)
-        self.drafter.reset(capacity)
-
-        prompt = torch.tensor(prompt_ids, dtype=torch.int64)
-        logits, captured = self.target.forward(prompt, torch.arange(n), causal_mask(n, 0)[0], last_only=True)
-        self.target.commit(list(range(n)))
-        out = [sample_token(logits[-1], sampling, gen)]
-        result = GenerationResult(tokens=out, target_calls=1, prompt_tokens=n)
-        # The drafter pairs the target state of token t with the id of token t + 1.
-        pending_states, pending_ids = captured, torch.tensor(prompt_ids[1:] + out, dtype=torch.int64)
-
-        emitted = 0
-        while True:
-            out, stop = _finish(out, max_new_tokens, self.eos_ids)
-            if on_tokens is not None and len(out) > emitted:
-                if on_tokens(out[emitted:]) is False:
-                    stop = stop or "cancelled"
-                emitted = len(out)
-            if stop:
-                break
-            tree = self.drafter.draft(pending_states, pending_ids)
-            result.drafter_calls += 1
-            root = out[-1]
-            ids = torch.cat((torch.full((1,), root, dtype=torch.int64, device=tree.tokens.device), tree.tokens))
-            logits, captured = self.target.forward(ids, self.target.length + tree.depths, tree.mask)
-            result.target_calls += 1
-            if sampling.greedy:
-                path, bonus = accept_greedy(tree, logits)
-            else:
-                path, bonus = accept_sampled(tree, logits, sampling, gen)
-            self.target.commit(path)
-            node_ids = ids.tolist()   # one transfer, not one per accepted node
-            new = [node_ids[i] for i in path[1:]] + [bonus]
-            result.accept_lengths.append(len(new))
-            out = out + new
-            pending_states, pending_ids = captured[path], torch.tensor(new, dtype=torch.int64)
-
-        result.tokens, result.stop_reason = out, stop
-        result.seconds = time.perf_counter() - start
-        return result
+        """One sequence: on_tokens(ids) streams the tokens as they become final; returning False stops early."""
+        return self.generate_batch([Request(prompt_ids, max_new_tokens, sampling or SamplingConfig(), on_tokens)], 1)[0]
 
 
 def generate_autoregressive(target: TargetBackend, prompt_ids: list[int], max_new_tokens: int,
                             eos_ids: set[int] | list[int], sampling: SamplingConfig | None = None,
                             vocab_size: int | None = None) -> GenerationResult:
     """Plain decoding with the same backend: one target call per token."""
-    sampling = (sampling or SamplingConfig()).validate()
-    check_request(prompt_ids, max_new_tokens, target.max_context, vocab_size)
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = set(eos_ids)
-    start = time.perf_counter()
-    target.reset(len(prompt_ids) + max_new_tokens + 1)
-    ids = torch.tensor(prompt_ids, dtype=torch.int64)
-    positions = torch.arange(len(prompt_ids))
-    result = GenerationResult(tokens=[], prompt_tokens=len(prompt_ids))
-    while True:
-        logits, _ = target.forward(ids, positions, causal_mask(len(ids), 0)[0], last_only=True)
-        target.commit(list(range(len(ids))))
-        result.target_calls += 1
-        result.tokens.append(sample_token(logits[-1], sampling, gen))
-        result.tokens, stop = _finish(result.tokens, max_new_tokens, eos)
-        if stop:
-            result.stop_reason = stop
-            break
-        ids = torch.tensor(result.tokens[-1:])
-        positions = torch.tensor([target.length])
-    result.seconds = time.perf_counter() - start
-    return result
+    return SpeculativeDecoder(target, None, eos_ids, vocab_size).generate(prompt_ids, max_new_tokens, sampling)

@@ -1,9 +1,9 @@
 """ONNX Runtime backend: the exported target graph and the drafter graph with the tree baked
 in, two graph calls per iteration.
 
-Host work is kept small: the KV caches are preallocated numpy buffers in the graphs' own
-[1, S, Hkv, D] layout, so the committed prefix is bound as the `past` input without a copy
-and the graph writes its new KV rows straight into the cache (outputs bound to the buffer)."""
+Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
+layout, bound as the `past` inputs through zero-copy numpy views; the new rows the graph
+returns are copied into each sequence's staged rows (B * T rows per layer)."""
 from __future__ import annotations
 
 import time
@@ -14,8 +14,9 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..tree import DraftTree
-from .kv_cache import KVCache
+from ..export.graphs import DRAFT_TREE_OUTPUTS
+from .backend import DrafterBackend, TargetBackend, tree_from_outputs
+from .kv_cache import CHUNK
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 
@@ -25,7 +26,7 @@ class _Timed:
     graph_seconds = 0.0
     graph_calls = 0
 
-    def _run(self, io: ort.IOBinding) -> None:
+    def _run_graph(self, io: ort.IOBinding) -> None:
         start = time.perf_counter()
         self.session.run_with_iobinding(io)
         self.graph_seconds += time.perf_counter() - start
@@ -61,18 +62,14 @@ def make_session(path: str | Path, threads: int | None = None,
         raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
 
 
-def bind_kv(io: ort.IOBinding, cache: KVCache, layer: int, past: tuple[str, str], new: tuple[str, str]) -> None:
-    """Bind the committed prefix of `layer` as the past input and the staged rows as the output
-    buffer, both as zero-copy numpy views of the cache's own tensors."""
-    P, T = cache.length, cache.staged
-    for buf, past_name, new_name in ((cache.k[layer], past[0], new[0]), (cache.v[layer], past[1], new[1])):
-        array = buf.numpy()                       # [1, capacity, Hkv, D], shares memory with the cache
-        io.bind_cpu_input(past_name, array[:, :P])
-        staged = array[:, P:P + T]
-        io.bind_output(new_name, "cpu", 0, array.dtype, list(staged.shape), staged.ctypes.data)
+def bind_past(io: ort.IOBinding, backend, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
+    """Bind the past rows of `layer` as zero-copy numpy views of the cache's own tensors
+    (contiguous: one sequence's prefix, or every row of a block of slots)."""
+    for buf, name in zip(backend._past(slots, width, layer), names):
+        io.bind_cpu_input(name, buf.numpy())
 
 
-class OrtTarget(_Timed):
+class OrtTarget(_Timed, TargetBackend):
     """min_rows: pad calls with fewer new tokens to this many rows (copies of the last token that
     only see themselves; their KV rows are staged but never committed). ONNX Runtime's CPU
     kernels round a 1-row MatMul differently from a multi-row one, while every row of a
@@ -86,76 +83,71 @@ class OrtTarget(_Timed):
         self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
-        shape = inputs["past_key_0"].shape   # [1, past_tokens, Hkv, D]
+        shape = inputs["past_key_0"].shape   # [B, past_tokens, Hkv, D]
         self.kv_heads, self.head_dim = int(shape[2]), int(shape[3])
         self.dtype = TORCH_DTYPES[inputs["past_key_0"].type]
         self.max_context = max_context
-        self.cache: KVCache | None = None
 
-    def reset(self, capacity: int) -> None:
-        self.cache = KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
+    def reset(self, capacity: int = CHUNK) -> None:
+        self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
+    def forward(self, input_ids, positions, mask, slots=None, last_only=False):
+        B, T = input_ids.shape
+        index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
+        if T < self.min_rows:
+            pad = self.min_rows - T
+            input_ids = torch.cat((input_ids, input_ids[:, -1:].repeat(1, pad)), 1)
+            positions = torch.cat((positions, positions[:, -1:].repeat(1, pad)), 1)
+            eye = torch.eye(pad, dtype=torch.bool).expand(B, pad, pad)
+            mask = torch.stack([torch.block_diag(m, e) for m, e in zip(mask.bool(), eye)])
+        logits, captured = self._forward(input_ids, positions, mask, slots, index)
+        return logits, captured[:, :T]
 
-    def forward(self, input_ids, positions, mask, last_only=False):
-        T, P = int(input_ids.shape[0]), self.cache.length
-        rows = max(T, self.min_rows)
-        if rows > T:
-            input_ids = torch.cat((input_ids, input_ids[-1:].repeat(rows - T)))
-            positions = torch.cat((positions, positions[-1:].repeat(rows - T)))
-            mask = torch.block_diag(mask, torch.eye(rows - T)).bool()
-        self.cache.stage(rows)
-        full = np.ones((1, rows, P + rows), dtype=bool)
-        full[0, :, P:] = mask.numpy()
+    def _run(self, input_ids, positions, mask, logits_index, slots, width):
         io = self.session.io_binding()
-        io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
-        io.bind_cpu_input("position_ids", positions.numpy()[None].astype(np.int64))
-        io.bind_cpu_input("attention_mask", full)
-        io.bind_cpu_input("logits_index", np.array([T - 1] if last_only else np.arange(T), dtype=np.int64))
-        # io.get_outputs() follows binding order: bind the two ORT-allocated outputs first.
-        io.bind_output("logits", "cpu")
-        io.bind_output("captured", "cpu")
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
+        io.bind_cpu_input("position_ids", positions.numpy().astype(np.int64))
+        io.bind_cpu_input("attention_mask", mask.numpy())
+        io.bind_cpu_input("logits_index", logits_index.numpy())
+        names = ["logits", "captured"] + [f"new_{kv}_{i}" for i in range(self.num_layers) for kv in ("key", "value")]
+        for name in names:   # io.get_outputs() follows binding order
+            io.bind_output(name, "cpu")
         for i in range(self.num_layers):
-            bind_kv(io, self.cache, i, (f"past_key_{i}", f"past_value_{i}"), (f"new_key_{i}", f"new_value_{i}"))
-        self._run(io)
-        logits, captured = io.get_outputs()[:2]
-        return torch.from_numpy(logits.numpy()[0]), torch.from_numpy(captured.numpy()[0, :T])
-
-    def commit(self, rows: list[int]) -> None:
-        self.cache.commit(rows)
+            bind_past(io, self, slots, width, i, (f"past_key_{i}", f"past_value_{i}"))
+        self._run_graph(io)
+        out = [torch.from_numpy(value.numpy()) for value in io.get_outputs()]
+        return out[0], out[1], out[2::2], out[3::2]
 
 
-class OrtDrafter(_Timed):
+class OrtDrafter(_Timed, DrafterBackend):
     def __init__(self, path: str | Path, shape: TreeShape, threads: int | None = None, **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
         self.shape = shape
         inputs = {i.name: i for i in self.session.get_inputs()}
+        if "past_lengths" not in inputs:
+            raise ValueError(f"{path}: drafter graph has no batch inputs (past_lengths, new_lengths): it was exported "
+                             f"by an older eagle_trt; re-export it (python -m eagle_trt.build --force export)")
         kv = inputs["past_key"].shape
         self.kv_heads, self.head_dim = int(kv[2]), int(kv[3])
         self.dtype = TORCH_DTYPES[inputs["past_key"].type]
-        nodes = self.session.get_outputs()[0].shape[0]
+        nodes = self.session.get_outputs()[0].shape[-1]
         if isinstance(nodes, int) and nodes != shape.total_tokens:
             raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
                              f"not {shape.total_tokens}; re-export it for this tree shape")
-        self.cache: KVCache | None = None
 
-    def reset(self, capacity: int) -> None:
-        self.cache = KVCache(1, self.kv_heads, self.head_dim, capacity, self.dtype)
+    def reset(self, capacity: int = CHUNK) -> None:
+        self._new_cache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
-    def draft(self, captured: torch.Tensor, input_ids: torch.Tensor) -> DraftTree:
-        T = int(input_ids.shape[0])
-        self.cache.stage(T)
+    def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         io = self.session.io_binding()
-        io.bind_cpu_input("captured", captured[None].to(self.dtype).numpy())
-        io.bind_cpu_input("input_ids", input_ids.numpy()[None].astype(np.int64))
-        names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores"]
-        for name in names:   # bound first: io.get_outputs() follows binding order
+        io.bind_cpu_input("captured", captured.to(self.dtype).contiguous().numpy())
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
+        io.bind_cpu_input("past_lengths", past_lengths.numpy())
+        io.bind_cpu_input("new_lengths", new_lengths.numpy())
+        names = DRAFT_TREE_OUTPUTS
+        for name in names:
             io.bind_output(name, "cpu")
-        bind_kv(io, self.cache, 0, ("past_key", "past_value"), ("new_key", "new_value"))
-        self._run(io)
+        bind_past(io, self, slots, width, 0, ("past_key", "past_value"))
+        self._run_graph(io)
         out = {name: torch.from_numpy(value.numpy()) for name, value in zip(names, io.get_outputs())}
-        self.cache.commit(list(range(T)))
-        return DraftTree(out["tree_tokens"], out["tree_parents"], out["tree_mask"], out["tree_depths"],
-                         out["tree_scores"])
+        return tree_from_outputs(out), out["new_key"], out["new_value"]
