@@ -128,9 +128,9 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
     with torch.no_grad():
         prefix = model(torch.randint(0, cfg.vocab_size, (1, P), generator=gen), torch.arange(P)[None],
                        causal_mask(P, 0), *model.empty_past())
-    mask = causal_mask(T, P).clone()
-    mask[0, 3, P + 1] = False
-    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None], mask,
+    random_mask = causal_mask(T, P).clone()
+    random_mask[0, 3, P + 1] = False
+    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None], random_mask,
         list(zip(prefix.new_k, prefix.new_v)))
     for prompt in real_prompts:
         n = len(prompt)
@@ -153,6 +153,14 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
         kv = [(torch.from_numpy(ref[f"new_key_{i}"]), torch.from_numpy(ref[f"new_value_{i}"]))
               for i in range(cfg.num_hidden_layers)]
         add(f"real tree verification ({tree.size + 1} nodes after {n} tokens)", tids, (n + tree.depths)[None], mask, kv)
+    # Last, since callers take the real cases at reference[1::2]: a batch of two, the second sequence
+    # with only P - 4 valid past rows (the rest masked, as a batched runtime binds a shorter
+    # sequence's past) and its own tokens and positions.
+    bmask = random_mask.repeat(2, 1, 1)
+    bmask[1, :, P - 4:P] = False
+    bpos = torch.stack((torch.arange(P, P + T), torch.arange(P - 4, P - 4 + T)))
+    add("batch of 2 (past 13 and 9 rows)", torch.randint(0, cfg.vocab_size, (2, T), generator=gen), bpos, bmask,
+        [(k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
     return case
 
 
@@ -170,13 +178,19 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
         case = GraphCase("drafter_tree", graphs["drafter_tree"], dtype)
         module = DraftTreeGraph(drafter, tree_shape).eval()
         names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores", "new_key", "new_value"]
+        one = lambda T, P: (torch.tensor([P]), torch.tensor([T]))  # noqa: E731 - every row valid
         feeds = [("random", torch.randn(1, 5, width, generator=gen).to(wdt) * 3,
-                  torch.randint(0, c.vocab_size, (1, 5), generator=gen), kv(11), kv(11))]
+                  torch.randint(0, c.vocab_size, (1, 5), generator=gen), kv(11), kv(11), *one(5, 11)),
+                 # Two sequences with their own past and new lengths, padded as the batched runtime pads.
+                 ("batch of 2 (past 11 and 6, new 5 and 2 rows)", torch.randn(2, 5, width, generator=gen).to(wdt) * 3,
+                  torch.randint(0, c.vocab_size, (2, 5), generator=gen), torch.cat((kv(11), kv(11))),
+                  torch.cat((kv(11), kv(11))), torch.tensor([11, 6]), torch.tensor([5, 2]))]
         for captured, ids in real_captured:
             feeds.append((f"real ({len(ids)} committed tokens)", torch.from_numpy(captured).to(wdt),
-                          torch.tensor([ids]), kv(0), kv(0)))
-        for label, cap, ids, pk, pv in feeds:
-            feed = {"captured": _np(cap), "input_ids": _np(ids), "past_key": _np(pk), "past_value": _np(pv)}
+                          torch.tensor([ids]), kv(0), kv(0), *one(len(ids), 0)))
+        for label, cap, ids, pk, pv, past_lengths, new_lengths in feeds:
+            feed = {"captured": _np(cap), "input_ids": _np(ids), "past_key": _np(pk), "past_value": _np(pv),
+                    "past_lengths": _np(past_lengths), "new_lengths": _np(new_lengths)}
             case.feeds.append(feed)
             case.labels.append(label)
             case.reference.append(_run(module, feed, names))

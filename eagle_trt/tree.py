@@ -68,7 +68,7 @@ def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
         picked.append(candidates[order])
     indices = torch.stack(picked).reshape(*x.shape[:-1], k)
-    return x.gather(-1, indices), indices
+    return x.gather(x.dim() - 1, indices), indices
 
 
 def rank_desc(x: Tensor) -> Tensor:
@@ -82,10 +82,14 @@ def rank_desc(x: Tensor) -> Tensor:
     return beats.sum(-1)
 
 
+# Gathers and scatters along the last axis name it by its positive index: onnx's reference
+# evaluator (which runs the NVFP4 graphs here) mishandles GatherElements with axis -1.
+
+
 def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k along the last axis of short vectors [..., n] with ties to the lower index."""
     order = torch.topk(-rank_desc(x).float(), k, dim=-1).indices   # ranks are distinct: no ties left
-    return x.gather(-1, order), order
+    return x.gather(x.dim() - 1, order), order
 
 
 def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
@@ -94,7 +98,7 @@ def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
     eye = torch.eye(M, dtype=torch.float32, device=parents.device)
     adj = torch.zeros(*parents.shape, M + 1, dtype=torch.float32, device=parents.device)
     # Column M absorbs the root's "-1" parent and is dropped.
-    adj = adj.scatter(-1, torch.where(parents < 0, M, parents)[..., None], 1.0)[..., :M]
+    adj = adj.scatter(adj.dim() - 1, torch.where(parents < 0, M, parents)[..., None], 1.0)[..., :M]
     reach = eye + adj
     for _ in range(steps):   # reach covers paths of length <= 2**steps
         reach = (reach @ reach).clamp(max=1.0)
@@ -102,8 +106,11 @@ def ancestor_mask(parents: Tensor, steps: int) -> Tensor:
 
 
 def _pick(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, T, F], index [B, K] -> [B, K, F]: rows `index` of each sequence."""
-    return x.gather(1, index[..., None].expand(*index.shape, x.shape[-1]))
+    """x [B, T, F], index [B, K] -> [B, K, F]: rows `index` of each sequence. A Gather over the
+    flattened rows (a GatherElements along axis 1 is not run by every ONNX engine)."""
+    B, T, F = x.shape
+    flat = (torch.arange(B, device=x.device)[:, None] * T + index).reshape(-1)
+    return x.reshape(B * T, F)[flat].reshape(B, index.shape[1], F)
 
 
 def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_k: Tensor, past_v: Tensor,
@@ -201,10 +208,11 @@ def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeSha
     # Kept candidate indices in increasing order: one TopK over (M - index) of the kept ones.
     keep = M - torch.topk(torch.where(kept, M - torch.arange(M, device=dev), 0), N, dim=-1).values
     slot = torch.zeros(*lead, M + 1, dtype=torch.int64, device=dev)
-    slot = slot.scatter(-1, keep, torch.arange(1, N + 1, device=dev).expand(*lead, N))   # candidate -> node index
-    kept_parents = parents.gather(-1, keep)
-    node_parents = slot.gather(-1, torch.where(kept_parents < 0, M, kept_parents))      # root -> slot[M] = 0
+    last = scores.dim() - 1
+    slot = slot.scatter(last, keep, torch.arange(1, N + 1, device=dev).expand(*lead, N))   # candidate -> node index
+    kept_parents = parents.gather(last, keep)
+    node_parents = slot.gather(last, torch.where(kept_parents < 0, M, kept_parents))      # root -> slot[M] = 0
     parents_full = torch.cat((torch.full((*lead, 1), -1, dtype=torch.int64, device=dev), node_parents), -1)
     mask = ancestor_mask(parents_full, shape.closure_steps())
     depths = mask.sum(-1) - 1
-    return DraftTree(tokens.gather(-1, keep), parents_full, mask, depths, scores.gather(-1, keep))
+    return DraftTree(tokens.gather(last, keep), parents_full, mask, depths, scores.gather(last, keep))

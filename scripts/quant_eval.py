@@ -59,8 +59,10 @@ def perplexity(target, samples) -> float:
     nll, count = 0.0, 0
     for s in samples:
         ids = torch.tensor(s.ids)
-        target.reset(len(ids))
-        logits, _ = target.forward(ids, torch.arange(len(ids)), causal_mask(len(ids), 0)[0])
+        target.reset()
+        target.add_sequence(len(ids))
+        logits, _ = target.forward(ids[None], torch.arange(len(ids))[None], causal_mask(len(ids), 0))
+        logits = logits[0]
         logp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[1:, None])[:, 0]
         mask = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
         nll -= float(logp[mask].sum())

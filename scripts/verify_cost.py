@@ -37,17 +37,18 @@ def main(argv=None) -> int:
     capacity = args.context + max(counts) + 1
     target = OrtTarget(args.graph, capacity, args.threads or None, spin=True)
     gen = torch.Generator().manual_seed(0)
-    target.reset(capacity)
-    prompt = torch.randint(0, 1000, (args.context,), generator=gen)
-    target.forward(prompt, torch.arange(args.context), causal_mask(args.context, 0)[0], last_only=True)
-    target.commit(list(range(args.context)))
+    target.reset()
+    target.add_sequence(capacity)
+    prompt = torch.randint(0, 1000, (1, args.context), generator=gen)
+    target.forward(prompt, torch.arange(args.context)[None], causal_mask(args.context, 0), last_only=True)
+    target.commit([list(range(args.context))])
     base = None
     for n in counts:
         times = []
         for _ in range(args.repeats + 1):             # the first call of a shape is a warm-up
-            ids = torch.randint(0, 1000, (n,), generator=gen)
+            ids = torch.randint(0, 1000, (1, n), generator=gen)
             start = time.perf_counter()
-            target.forward(ids, torch.arange(args.context, args.context + n), causal_mask(n, 0)[0], last_only=n == 1)
+            target.forward(ids, torch.arange(args.context, args.context + n)[None], causal_mask(n, 0), last_only=n == 1)
             times.append(time.perf_counter() - start)
         ms = 1e3 * statistics.median(times[1:])
         base = base or ms

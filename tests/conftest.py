@@ -152,42 +152,63 @@ class PlantedDrafter:
     with a known continuation (up to a random depth), so trees are accepted several tokens
     deep. The real EAGLE drafter still builds every tree (shape, siblings, masks, KV); only
     the tokens on one path are replaced. Used to exercise acceptance and KV compaction in
-    losslessness tests, where the right answer comes from transformers, not from us."""
+    losslessness tests, where the right answer comes from transformers, not from us.
 
-    def __init__(self, inner, prompt_len: int, continuation: list[int], seed: int = 0):
+    Batched like the backend it wraps: `expect(prompt_len, continuation)` queues what the next
+    added sequence will decode, and the per-slot records follow the backend's slot moves."""
+
+    def __init__(self, inner, prompt_len: int | None = None, continuation: list[int] | None = None, seed: int = 0):
         import random
         self.inner, self.shape = inner, inner.shape
-        self.prompt_len, self.continuation = prompt_len, continuation
         self.rng = random.Random(seed)
-        self.rows = 0
+        self.queued: list[tuple[int, list[int]]] = []
+        self.slots: list[tuple[int, list[int]]] = []
+        if continuation is not None:
+            self.expect(prompt_len, continuation)
 
-    def reset(self, capacity: int) -> None:
+    def expect(self, prompt_len: int, continuation: list[int]) -> None:
+        self.queued.append((prompt_len, continuation))
+
+    def reset(self, capacity: int = 64) -> None:
         self.inner.reset(capacity)
-        self.rows = 0
+        self.slots = []
 
-    def draft(self, captured, input_ids):
-        tree = self.inner.draft(captured, input_ids)
-        self.rows += int(input_ids.shape[0])
-        generated = self.rows - (self.prompt_len - 1)     # tokens committed after the prompt
-        parents = tree.parents.tolist()
-        tree.tokens = tree.tokens.clone()   # the drafter returns inference-mode tensors
-        plant_depth = self.rng.randint(0, self.shape.depth)
-        node, depth = 0, 0
-        while depth < plant_depth:
-            children = [i for i, p in enumerate(parents) if p == node]
-            if not children or generated + depth >= len(self.continuation):
-                break
-            node = self.rng.choice(children[:2])          # the best child, or its first sibling
-            tree.tokens[node - 1] = self.continuation[generated + depth]
-            depth += 1
-        return tree
+    def add_sequence(self, rows: int = 0) -> int:
+        self.slots.append(self.queued.pop(0))
+        return self.inner.add_sequence(rows)
+
+    def remove_sequence(self, slot: int) -> None:
+        self.inner.remove_sequence(slot)
+        self.slots[slot] = self.slots[-1]
+        self.slots.pop()
+
+    def draft(self, captured, input_ids, new_lengths=None, slots=None):
+        trees = self.inner.draft(captured, input_ids, new_lengths, slots)
+        slots = slots if slots is not None else range(self.inner.batch)
+        trees.tokens = trees.tokens.clone()   # the drafter returns inference-mode tensors
+        plant_depth = [self.rng.randint(0, self.shape.depth) for _ in slots]
+        for i, slot in enumerate(slots):
+            prompt_len, continuation = self.slots[slot]
+            generated = self.inner.lengths[slot] - (prompt_len - 1)     # tokens committed after the prompt
+            parents = trees.parents[i].tolist()
+            node, depth = 0, 0
+            while depth < plant_depth[i]:
+                children = [c for c, p in enumerate(parents) if p == node]
+                if not children or generated + depth >= len(continuation):
+                    break
+                node = self.rng.choice(children[:2])          # the best child, or its first sibling
+                trees.tokens[i, node - 1] = continuation[generated + depth]
+                depth += 1
+        return trees
 
 
-def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos) -> None:
+def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos,
+                         batch: int = 0) -> None:
     """Greedy speculative decoding with `PlantedDrafter` around `drafter` must reproduce each
     reference exactly; the drafts must really be accepted (vacuity guard), and every iteration
-    is one drafter call plus one target call."""
-    from eagle_trt.runtime.decoder import SpeculativeDecoder
+    is one drafter call plus one target call. batch > 0: then all prompts again through one
+    continuously batched decoder with at most `batch` sequences at a time."""
+    from eagle_trt.runtime.decoder import Request, SpeculativeDecoder
     accepted = []
     for i, (ids, ref) in enumerate(zip(prompts, references)):
         planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
@@ -195,6 +216,17 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
         assert res.tokens == ref, f"prompt {i}: speculative output diverges from transformers' greedy output"
         assert res.target_calls == 1 + res.drafter_calls
         accepted += res.accept_lengths
+    if batch:   # the same prompts decoded together, joining and leaving a running batch of `batch`
+        planted = PlantedDrafter(drafter, seed=len(prompts))
+        for ids, ref in zip(prompts, references):
+            planted.expect(len(ids), ref)
+        # Mixed max_new_tokens: sequences leave at different iterations and others take their slots.
+        limits = [NEW_TOKENS - 9 * (i % 3) for i in range(len(prompts))]
+        results = SpeculativeDecoder(target, planted, eos).generate_batch(
+            [Request(ids, n) for ids, n in zip(prompts, limits)], max_batch=batch)
+        for i, (res, ref, n) in enumerate(zip(results, references, limits)):
+            assert res.tokens == ref[:n], f"prompt {i} in a batch of {batch}: output diverges from transformers"
+        assert max(a for r in results for a in r.accept_lengths) >= 4
     assert sum(accepted) / len(accepted) > 2.0, "drafts were not accepted: the check would be vacuous"
     assert max(accepted) >= 4
 

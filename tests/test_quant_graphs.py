@@ -195,11 +195,14 @@ def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, f
     for seed in range(3):
         captured, ids = _drafter_inputs(tiny_target, seed)
         ref = TorchDrafter(reference, SHAPE)
-        ref.reset(32)
-        tree = ref.draft(captured, ids)
+        ref.reset()
+        ref.add_sequence()
+        tree = ref.draft(captured[None], ids[None]).row(0)
         kv = np.zeros((1, 0, 2, 16), np.float32)
         got = run_graph(setup["graphs"]["drafter", fmt], {"captured": captured[None].numpy(),
-                                                          "input_ids": ids[None].numpy(), "past_key": kv, "past_value": kv})
+                                                          "input_ids": ids[None].numpy(), "past_key": kv, "past_value": kv,
+                                                          "past_lengths": np.array([0]), "new_lengths": np.array([len(ids)])})
+        got = {name: value[0] for name, value in got.items()}
         assert got["tree_tokens"].tolist() == tree.tokens.tolist()
         assert got["tree_parents"].tolist() == tree.parents.tolist()
         assert (got["tree_mask"] == tree.mask.numpy()).all()

@@ -146,15 +146,19 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
             out = smollm2.model(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T, 0), *smollm2.model.empty_past())
         captured, next_ids = out.captured[0], torch.tensor(ids[1:] + [int(out.logits[0, -1].argmax())])
         ref = TorchDrafter(reference, TREE)
-        ref.reset(T + 1)
-        ort_drafter.reset(T + 1)
-        want, got = ref.draft(captured, next_ids), ort_drafter.draft(captured, next_ids)
+        trees = []
+        for backend in (ref, ort_drafter):
+            backend.reset()
+            backend.add_sequence()
+            trees.append(backend.draft(captured[None], next_ids[None]).row(0))
+        want, got = trees
         same += got.tokens.tolist() == want.tokens.tolist()
         assert got.parents.tolist() == want.parents.tolist()
         # a rare FP8 rounding flip (float noise across engines) moves a later score by ~3e-3
         assert (got.scores - want.scores).abs().max() <= 1e-2
         kv = np.zeros((1, 0, 3, 64), np.float32)
-        feeds = {"captured": captured[None].numpy(), "input_ids": next_ids[None].numpy(), "past_key": kv, "past_value": kv}
+        feeds = {"captured": captured[None].numpy(), "input_ids": next_ids[None].numpy(), "past_key": kv, "past_value": kv,
+                 "past_lengths": np.array([0]), "new_lengths": np.array([T])}
         report = layer_parity(str(smol["graphs"]["drafter", "fp8"]), reference, feeds)
         assert len(report) == 8 + 7 * (TREE.depth - 1) and max(r.rel_l2 for r in report) <= 1e-5
     print(f"SmolLM2 FP8 drafter trees identical on {same}/4 prompts")
@@ -197,14 +201,15 @@ def test_one_row_calls_round_differently_which_is_why_fp8_pads_them(smol, smollm
 
     def row0(T: int, min_rows: int) -> torch.Tensor:
         target.min_rows = min_rows
-        target.reset(n + T + 2)
-        target.forward(torch.tensor(ids), torch.arange(n), causal_mask(n, 0)[0], last_only=True)
-        target.commit(list(range(n)))
-        toks = torch.tensor([ids[-1]] + list(range(100, 100 + T - 1)))
+        target.reset()
+        target.add_sequence(n + T + 2)
+        target.forward(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), last_only=True)
+        target.commit([list(range(n))])
+        toks = torch.tensor([[ids[-1]] + list(range(100, 100 + T - 1))])
         mask = torch.eye(T, dtype=torch.bool)
         mask[:, 0] = True
-        logits, _ = target.forward(toks, torch.full((T,), n), mask)
-        return logits[0]
+        logits, _ = target.forward(toks, torch.full((1, T), n), mask[None])
+        return logits[0, 0]
     one, padded, two, many = row0(1, 1), row0(1, 2), row0(2, 1), row0(17, 1)
     assert torch.equal(padded, two) and torch.equal(two, many)
     print(f"1-row vs multi-row logits: max abs {float((one - many).abs().max()):.2e}")

@@ -95,7 +95,8 @@ def _quantized_parity(b, model: str, float_case, bundle_dir: Path, progress: Pro
     module = _in_dtype(b.models.target.model if model == "target" else b.models.drafter, p.dtype)
     qcfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
     reference, _ = quantized_copy(module, qcfg, amax, source=str(b.path("quantize", f"{model}.amax.json")))
-    feed = float_case.feeds[min(1, len(float_case.feeds) - 1)]   # a real prompt where there is one
+    real = [i for i, label in enumerate(float_case.labels) if label.startswith("real")]
+    feed = float_case.feeds[real[0] if real else 0]   # a real prompt where there is one
     layers = layer_parity(str(graph), reference, feed)
     worst = max(layers, key=lambda r: r.rel_l2)
     progress.step(f"{graph.name}: {len(layers)} quantized MatMuls, worst rel L2 {worst.rel_l2:.2e}")

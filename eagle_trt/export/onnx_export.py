@@ -35,8 +35,10 @@ class ExportedGraph:
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
-            dynamic_axes: dict, opset: int) -> ExportedGraph:
-    """Export into a temporary folder, check, then move into place (with external data if any)."""
+            dynamic_axes: dict, opset: int, static_dims: dict[str, dict[int, int]] | None = None) -> ExportedGraph:
+    """Export into a temporary folder, check, then move into place (with external data if any).
+    static_dims: output sizes fixed by construction that shape inference lost behind a dynamic
+    axis (the tree's node count behind the batch axis), written into the graph's output types."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -48,6 +50,12 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
             torch.onnx.export(module, args, str(tmp_file), input_names=inputs, output_names=outputs,
                               dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
                               do_constant_folding=True)
+        if static_dims:
+            graph = onnx.load(str(tmp_file))
+            for out in graph.graph.output:
+                for axis, size in static_dims.get(out.name, {}).items():
+                    out.type.tensor_type.shape.dim[axis].dim_value = size
+            onnx.save(graph, str(tmp_file))
         onnx.checker.check_model(str(tmp_file))
         ops = sorted({n.op_type for n in onnx.load(str(tmp_file), load_external_data=False).graph.node})
         check_graph(str(tmp_file))
@@ -111,7 +119,11 @@ def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dty
     # Traced with two sequences of different lengths, so no length is baked in as a constant.
     example = _drafter_example(drafter, DTYPES[dtype], TRACE_BATCH) + \
         (torch.tensor([TRACE_PAST, TRACE_PAST - 2]), torch.tensor([TRACE_NEW, TRACE_NEW - 1]))
-    return _export(DraftTreeGraph(drafter, shape), example, path, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset)
+    N = shape.total_tokens
+    nodes = {"tree_tokens": {1: N}, "tree_parents": {1: N + 1}, "tree_mask": {1: N + 1, 2: N + 1},
+             "tree_depths": {1: N + 1}, "tree_scores": {1: N}}
+    return _export(DraftTreeGraph(drafter, shape), example, path, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset,
+                   nodes)
 
 
 def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: str = "float32",
