@@ -16,7 +16,6 @@ from torch import Tensor
 
 from .config import TreeShape
 from .models.drafter import EagleDrafter
-from .models.target import causal_mask
 
 
 @dataclass

@@ -101,7 +101,9 @@ BAD = [
      "x.yaml: engines.profiles.prefill: need min_tokens <= opt_tokens <= max_tokens, got 8, 4, 512"),
     ({"tree": {"depth": 5, "top_k": 4, "total_tokens": 20}},
      "x.yaml: engines.profiles.verify.max_tokens: the tree verifies root + 20 nodes = 21 tokens, got 5"),
-    ({"engines": {"max_batch": 4}}, "x.yaml: engines.max_batch: the graphs are exported for batch 1"),
+    ({"engines": {"max_batch": 0}}, "x.yaml: engines.max_batch: must be >= 1, got 0"),
+    ({"engines": {"max_batch": 4}}, "x.yaml: serving.max_concurrent: the running batch (8) must fit the engines' batch "
+                                    "axis, engines.max_batch = 4"),
     ({"tree": {"depth": 2, "top_k": 2, "total_tokens": 9}}, "x.yaml: tree: tree total_tokens 9 exceeds"),
     ({"serving": {"model_name": "my model"}}, "x.yaml: serving.model_name: not a valid Triton model name"),
     ([1, 2], "x.yaml: top level: expected a mapping, got [1, 2]"),

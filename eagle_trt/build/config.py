@@ -137,15 +137,13 @@ class ProfilesSection:
 @dataclass(frozen=True)
 class EnginesSection:
     enabled: bool = True
-    max_batch: int = 1
+    max_batch: int = 8             # sequences per verification / drafting call (the running batch)
     workspace_gib: float = 4.0
     optimization_level: int = 3    # TensorRT builder optimization level 0..5
     profiles: ProfilesSection = ProfilesSection()
 
     def check(self, at: str, source: str) -> None:
-        if self.max_batch != 1:
-            raise BuildConfigError(f"{source}: {at}.max_batch: the graphs are exported for batch 1 (one sequence "
-                                   f"per call), got {self.max_batch}")
+        _positive(self, ("max_batch",), at, source)
         if not 0 <= self.optimization_level <= 5:
             raise BuildConfigError(f"{source}: {at}.optimization_level: must be 0..5, got {self.optimization_level}")
         if self.workspace_gib <= 0:
@@ -165,7 +163,7 @@ class ParitySection:
 class ServingSection:
     model_name: str = "eagle_trt"
     max_tokens: int = 64           # when a request gives none
-    max_concurrent: int = 4        # sequences decoded at once per model instance
+    max_concurrent: int = 8        # sequences in the running batch per model instance
     threads: int = 0               # ONNX Runtime intra-op threads per session, 0: ORT's default
     chat: bool = True              # wrap text prompts in the tokenizer's chat template
 
@@ -207,6 +205,9 @@ class BuildConfig:
             raise BuildConfigError(f"{source}: engines.profiles.drafter.max_tokens: the drafter's first call "
                                    f"encodes the whole prompt, so it must be >= prefill.max_tokens "
                                    f"({prefill.max_tokens}), got {drafter.max_tokens}")
+        if self.engines.enabled and self.serving.max_concurrent > self.engines.max_batch:
+            raise BuildConfigError(f"{source}: serving.max_concurrent: the running batch ({self.serving.max_concurrent}) "
+                                   f"must fit the engines' batch axis, engines.max_batch = {self.engines.max_batch}")
         for name in ("target", "drafter"):
             p = getattr(self.precision, name)
             if not p.quantized and p.skip != ModelPrecision.skip:

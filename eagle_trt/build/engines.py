@@ -54,9 +54,9 @@ def input_dims(path: Path) -> dict[str, list]:
             for i in model.graph.input if i.name not in inits}
 
 
-def profile_shapes(dims: dict[str, list], p: ProfileSection, source: str) -> dict[str, tuple]:
-    """(min, opt, max) shape per input for one profile."""
-    sizes = {"new_tokens": (p.min_tokens, p.opt_tokens, p.max_tokens),
+def profile_shapes(dims: dict[str, list], p: ProfileSection, source: str, max_batch: int = 1) -> dict[str, tuple]:
+    """(min, opt, max) shape per input for one profile; the batch axis spans 1..max_batch."""
+    sizes = {"batch": (1, max_batch, max_batch), "new_tokens": (p.min_tokens, p.opt_tokens, p.max_tokens),
              "logit_tokens": (1, p.opt_tokens, p.max_tokens),
              "past_tokens": (p.min_past, p.opt_past, p.max_past),
              "total_tokens": (p.min_tokens + p.min_past, p.opt_tokens + p.opt_past, p.max_tokens + p.max_past)}
@@ -131,7 +131,9 @@ def build_engines(trt, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log
     info = {"tensorrt": trt.__version__, "device": torch.cuda.get_device_name(0), "engines": {}}
     for graph, names in PROFILES.items():
         dims = input_dims(graphs[graph])
-        profiles = {n: profile_shapes(dims, getattr(cfg.engines.profiles, n), str(graphs[graph])) for n in names}
+        # Prefill runs one sequence at a time (decoder.py); verification and drafting the running batch.
+        profiles = {n: profile_shapes(dims, getattr(cfg.engines.profiles, n), str(graphs[graph]),
+                                      1 if n == "prefill" else cfg.engines.max_batch) for n in names}
         info["engines"][graph] = build_engine(trt, graphs[graph], out / f"{graph}.plan", profiles, out / "timing.cache",
                                               cfg.engines.workspace_gib, cfg.engines.optimization_level, log)
         progress.step(f"{graph}.plan")

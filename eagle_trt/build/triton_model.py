@@ -13,7 +13,11 @@ response; the model keeps serving.
 Backends: "onnxruntime" runs the target and drafter-tree graphs in-process (OrtTarget /
 OrtDrafter); "tensorrt" calls the `<model>_target` / `<model>_drafter` tensorrt_plan models
 through BLS, keeping the KV caches here as torch tensors (on the GPU when there is one).
-Each request runs in its own thread on one of `max_concurrent` decoder slots."""
+
+Continuous batching: `execute` validates each request and queues it; one scheduler thread runs
+the batched decoder (runtime/decoder.py), admitting queued requests into the running batch
+(up to `max_concurrent`) between iterations, streaming every sequence's tokens after each
+iteration, and closing a stream the moment its sequence finishes or its client cancels."""
 import json
 import queue
 import threading
@@ -24,9 +28,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
-from eagle_trt.runtime.decoder import SpeculativeDecoder, check_request
-from eagle_trt.runtime.kv_cache import KVCache
-from eagle_trt.tree import DraftTree
+from eagle_trt.runtime.backend import DrafterBackend, TargetBackend, tree_from_outputs
+from eagle_trt.runtime.cost import CostModel
+from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, check_request
+from eagle_trt.runtime.kv_cache import CHUNK
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -70,71 +75,49 @@ def _exec(model, inputs, outputs):
     return response
 
 
-class BlsTarget:
-    """TargetBackend over the target engine: the committed KV prefix goes in as past_*, the new
-    rows come back and are staged in the cache here (commit compacts accepted rows)."""
+class BlsTarget(TargetBackend):
+    """TargetBackend over the target engine: a block of sequences' past goes in as past_*, the
+    new rows come back and are staged in the batched cache here (commit compacts accepted rows)."""
 
     def __init__(self, s, device):
         self.model, self.layers = s["target_model"], s["target_kv"]["layers"]
         self.kv, self.dtype, self.device = s["target_kv"], TORCH_DTYPES[s["target_kv"]["dtype"]], device
         self.max_context = s["max_context"]
-        self.cache = None
 
-    def reset(self, capacity):
-        self.cache = KVCache(self.layers, self.kv["heads"], self.kv["head_dim"], capacity, self.dtype, self.device)
+    def reset(self, capacity=CHUNK):
+        self._new_cache(self.layers, self.kv["heads"], self.kv["head_dim"], capacity, self.dtype, self.device)
 
-    @property
-    def length(self):
-        return self.cache.length
-
-    def forward(self, input_ids, positions, mask, last_only=False):
-        T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.stage(T)
-        full = torch.ones(1, T, P + T, dtype=torch.bool)
-        full[0, :, P:] = mask
-        index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
-        inputs = [pb_utils.Tensor("input_ids", input_ids[None].numpy().astype(np.int64)),
-                  pb_utils.Tensor("position_ids", positions[None].numpy().astype(np.int64)),
-                  pb_utils.Tensor("attention_mask", full.numpy()), pb_utils.Tensor("logits_index", index.numpy())]
-        past_k, past_v = self.cache.past()
+    def _run(self, input_ids, positions, mask, logits_index, slots, width):
+        inputs = [pb_utils.Tensor("input_ids", input_ids.numpy().astype(np.int64)),
+                  pb_utils.Tensor("position_ids", positions.numpy().astype(np.int64)),
+                  pb_utils.Tensor("attention_mask", mask.numpy()), pb_utils.Tensor("logits_index", logits_index.numpy())]
         for i in range(self.layers):
-            inputs += [_dl(f"past_key_{i}", past_k[i]), _dl(f"past_value_{i}", past_v[i])]
+            past_k, past_v = self._past(slots, width, i)
+            inputs += [_dl(f"past_key_{i}", past_k), _dl(f"past_value_{i}", past_v)]
         names = ["logits", "captured"] + [f"new_{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
         response = _exec(self.model, inputs, names)
-        for i in range(self.layers):
-            self.cache.k[i, :, P:P + T] = _out(response, f"new_key_{i}").to(self.device)
-            self.cache.v[i, :, P:P + T] = _out(response, f"new_value_{i}").to(self.device)
-        logits = _out(response, "logits")[0].float().cpu()
-        return logits, _out(response, "captured")[0]
-
-    def commit(self, rows):
-        self.cache.commit(rows)
+        new = [_out(response, n).to(self.device) for n in names[2:]]
+        return _out(response, "logits").float().cpu(), _out(response, "captured"), new[0::2], new[1::2]
 
 
-class BlsDrafter:
+class BlsDrafter(DrafterBackend):
     def __init__(self, s, shape, device):
         self.model, self.kv, self.shape, self.device = s["drafter_model"], s["drafter_kv"], shape, device
         self.dtype = TORCH_DTYPES[self.kv["dtype"]]
-        self.cache = None
 
-    def reset(self, capacity):
-        self.cache = KVCache(1, self.kv["heads"], self.kv["head_dim"], capacity, self.dtype, self.device)
+    def reset(self, capacity=CHUNK):
+        self._new_cache(1, self.kv["heads"], self.kv["head_dim"], capacity, self.dtype, self.device)
 
-    def draft(self, captured, input_ids):
-        T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.stage(T)
-        past_k, past_v = self.cache.past()
-        inputs = [_dl("captured", captured[None].to(self.device, self.dtype)),
-                  pb_utils.Tensor("input_ids", input_ids[None].numpy().astype(np.int64)),
-                  _dl("past_key", past_k[0]), _dl("past_value", past_v[0])]
+    def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
+        past_k, past_v = self._past(slots, width, 0)
+        inputs = [_dl("captured", captured.to(self.device, self.dtype)),
+                  pb_utils.Tensor("input_ids", input_ids.numpy().astype(np.int64)),
+                  _dl("past_key", past_k), _dl("past_value", past_v),
+                  pb_utils.Tensor("past_lengths", past_lengths.numpy()), pb_utils.Tensor("new_lengths", new_lengths.numpy())]
         names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores", "new_key", "new_value"]
         response = _exec(self.model, inputs, names)
-        self.cache.k[0, :, P:P + T] = _out(response, "new_key").to(self.device)
-        self.cache.v[0, :, P:P + T] = _out(response, "new_value").to(self.device)
-        self.cache.commit(list(range(T)))
-        out = {n: _out(response, n).cpu() for n in names[:5]}
-        return DraftTree(out["tree_tokens"], out["tree_parents"], out["tree_mask"], out["tree_depths"],
-                         out["tree_scores"].float())
+        out = {n: _out(response, n) for n in names}
+        return tree_from_outputs(out), out["new_key"].to(self.device), out["new_value"].to(self.device)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -151,14 +134,10 @@ class TritonPythonModel:
         self.settings = s
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
         shape = TreeShape(*s["tree"])
-        self.slots = queue.Queue()
         if s["backend"] == "tensorrt":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            for _ in range(s["max_concurrent"]):
-                self.slots.put((BlsTarget(s, device), BlsDrafter(s, shape, device)))
+            target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
         else:
-            import copy
-
             from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtTarget
             from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
@@ -167,18 +146,30 @@ class TritonPythonModel:
             target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
-            # Sessions are shared (ORT runs concurrent calls on one session); each slot has its own caches.
-            for _ in range(s["max_concurrent"]):
-                self.slots.put((copy.copy(target), copy.copy(drafter)))
-        self.workers = set()
-        self.lock = threading.Lock()
+        # One running batch per model instance: requests join it between iterations and leave it
+        # when done; the cost model decides per iteration how much of each draft tree to verify.
+        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
+        self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost)
+        self.incoming = queue.Queue()
+        self.waiting_logged = 0
+        self.stopping = threading.Event()
+        self.scheduler = threading.Thread(target=self._schedule, name="eagle_trt-batch", daemon=True)
+        self.scheduler.start()
 
     def execute(self, requests):
+        """Validate each request at once (errors go back before anything waits), then hand it to
+        the batch scheduler."""
         for request in requests:
-            worker = threading.Thread(target=self._serve, args=(request,), daemon=True)
-            with self.lock:
-                self.workers.add(worker)
-            worker.start()
+            sender = request.get_response_sender()
+            try:
+                prompt, max_tokens, sampling = self._parse(request)
+            except (RequestError, ConfigError) as exc:
+                self._fail(sender, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a request must never take the model down
+                self._fail(sender, f"{type(exc).__name__}: {exc}")
+                continue
+            self.incoming.put((sender, Request(prompt, max_tokens, sampling)))
 
     def _parse(self, request):
         s = self.settings
@@ -214,51 +205,79 @@ class TritonPythonModel:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens}")
         sampling = SamplingConfig(scalar("temperature", float, 0.0), scalar("top_p", float, 1.0),
                                   scalar("top_k", int, 0), scalar("seed", int, None)).validate()
-        # Everything the decoder would refuse is refused here, before the request waits for a slot.
+        # Everything the decoder would refuse is refused here, before the request waits for anything.
         check_request(prompt, max_tokens, s["max_context"], s["vocab_size"])
         return prompt, max_tokens, sampling
 
-    def _serve(self, request):
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        try:
-            try:
-                prompt, max_tokens, sampling = self._parse(request)
-            except (RequestError, ConfigError) as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
-                return
-            try:
-                target, drafter = self.slots.get_nowait()
-            except queue.Empty:
-                pb_utils.Logger.log_info(f"eagle_trt: request waiting for a decoding slot (all "
-                                         f"{self.settings['max_concurrent']} busy; serving.max_concurrent)")
-                target, drafter = self.slots.get()
-            try:
-                stream = TextStream(self.tokenizer)
+    def _streamer(self, sender):
+        stream = TextStream(self.tokenizer)
 
-                def on_tokens(ids):
-                    if sender.is_cancelled():
-                        return False
-                    piece = stream.push(ids)
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[
-                        pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),
-                        pb_utils.Tensor("token_ids", np.array(ids, dtype=np.int64))]))
-                    return True
-                decoder = SpeculativeDecoder(target, drafter, self.settings["eos_ids"], self.settings["vocab_size"])
-                result = decoder.generate(prompt, max_tokens, sampling, on_tokens=on_tokens)
-                if result.stop_reason == "cancelled":
-                    pb_utils.Logger.log_info(f"eagle_trt: request cancelled by the client after "
-                                             f"{len(result.tokens)} of {max_tokens} tokens")
-            finally:
-                self.slots.put((target, drafter))
-            sender.send(flags=final)   # cancelled streams too: the Python backend needs the final flag to unload
-        except ConfigError as exc:   # e.g. prompt + max_tokens beyond the context
-            self._fail(sender, str(exc))
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the model down
-            self._fail(sender, f"{type(exc).__name__}: {exc}")
-        finally:
-            with self.lock:
-                self.workers.discard(threading.current_thread())
+        def on_tokens(ids):
+            if sender.is_cancelled():
+                return False
+            piece = stream.push(ids)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),
+                pb_utils.Tensor("token_ids", np.array(ids, dtype=np.int64))]))
+            return True
+        return on_tokens
+
+    def _admit(self, senders):
+        """Move waiting requests into the running batch while it has room."""
+        limit = self.settings["max_concurrent"]
+        while len(self.decoder.active) < limit:
+            try:
+                sender, request = self.incoming.get(timeout=0.05 if not self.decoder.active else 0)
+            except queue.Empty:
+                return
+            if sender.is_cancelled():
+                self._close(sender)
+                continue
+            request.on_tokens = self._streamer(sender)
+            try:
+                seq = self.decoder.add(request)
+            except ConfigError as exc:   # e.g. prompt + max_tokens beyond the context
+                self._fail(sender, str(exc))
+                continue
+            senders[id(seq)] = sender
+            if seq.stop:
+                self._close(senders.pop(id(seq)), seq)
+        waiting = self.incoming.qsize()
+        if waiting > self.waiting_logged:   # once per newly waiting request, not every iteration
+            pb_utils.Logger.log_info(f"eagle_trt: {waiting} request(s) waiting for a batch slot (all {limit} busy; "
+                                     f"serving.max_concurrent)")
+        self.waiting_logged = waiting
+
+    def _schedule(self):
+        senders = {}
+        while not self.stopping.is_set():
+            try:
+                self._admit(senders)
+                for seq in self.decoder.step():
+                    self._close(senders.pop(id(seq)), seq)
+            except Exception as exc:  # noqa: BLE001 - fail the running batch, keep serving new requests
+                message = f"{type(exc).__name__}: {exc}"
+                pb_utils.Logger.log_error(f"eagle_trt: decoding failed for the running batch: {message}")
+                for sender in senders.values():
+                    self._fail(sender, message)
+                senders.clear()
+                self.decoder.active.clear()
+        for sender in senders.values():
+            self._fail(sender, "the model is unloading")
+        while not self.incoming.empty():
+            self._fail(self.incoming.get()[0], "the model is unloading")
+
+    @staticmethod
+    def _close(sender, seq=None):
+        """Final flag for a finished sequence (seq) or a request cancelled before it ran (None)."""
+        if seq is None or seq.stop == "cancelled":
+            done = f"after {len(seq.result.tokens)} of {seq.request.max_new_tokens} tokens" if seq else \
+                "while waiting for a batch slot"
+            pb_utils.Logger.log_info(f"eagle_trt: request cancelled by the client {done}")
+        try:   # cancelled streams too: the Python backend needs the final flag to unload
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client is gone; nothing left to tell it
+            pass
 
     @staticmethod
     def _fail(sender, message):
@@ -269,7 +288,5 @@ class TritonPythonModel:
             pass
 
     def finalize(self):
-        with self.lock:
-            workers = list(self.workers)
-        for worker in workers:
-            worker.join(timeout=10)
+        self.stopping.set()
+        self.scheduler.join(timeout=30)

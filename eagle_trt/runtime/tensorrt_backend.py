@@ -1,12 +1,13 @@
 """TensorRT backend: the target and drafter-tree engines built by `python -m eagle_trt.build`,
 behind the same TargetBackend / DrafterBackend protocols as the PyTorch and ONNX Runtime ones.
 
-Device buffers are torch CUDA tensors: the KV caches are preallocated KVCache tensors on the
-GPU in the engines' [1, S, Hkv, D] layout, so the committed prefix is bound as `past_*` and
-the engine writes its new rows straight into the staged rows of the cache (as the ONNX Runtime
-backend does on the CPU). One execution context per optimization profile: the target engine
-has prefill (0) and verification (1), the drafter engine one. Calls are enqueued on one CUDA
-stream with set_input_shape / set_tensor_address / execute_async_v3.
+Device buffers are torch CUDA tensors: the batched KV caches (runtime/kv_cache.py) live on the
+GPU in the engines' [B, S, Hkv, D] layout, so a block of sequences' past is bound as `past_*`
+without a copy, and the new rows the engine returns are copied into each sequence's staged
+rows on the GPU. One execution context per optimization profile: the target engine has
+prefill (0, batch 1) and verification (1, batch up to engines.max_batch), the drafter engine
+one. Calls are enqueued on one CUDA stream with set_input_shape / set_tensor_address /
+execute_async_v3.
 
 Importable only where TensorRT is installed (an NVIDIA GPU and driver are needed to run it)."""
 from __future__ import annotations
@@ -22,8 +23,8 @@ except ImportError as exc:   # the message names what is missing, not just the m
 import torch
 
 from ..config import TreeShape
-from ..tree import DraftTree
-from .kv_cache import KVCache
+from .backend import DrafterBackend, TargetBackend, tree_from_outputs
+from .kv_cache import CHUNK
 
 TORCH_OF = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
             trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool, trt.int8: torch.int8}
@@ -94,7 +95,17 @@ def _cuda(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(device="cuda", dtype=dtype).contiguous()
 
 
-class TrtTarget:
+def _profile(engine: Engine, shapes: dict[str, tuple], tokens: int) -> int:
+    """The profile whose ranges take these shapes, tuned for the nearest token count (prefill ~ a
+    prompt, verify ~ the tree)."""
+    fitting = [p for p in range(len(engine.contexts)) if engine.fits(p, shapes)]
+    if fitting:
+        return min(fitting, key=lambda p: abs(engine.profile_range(p, "input_ids")[1][1] - tokens))
+    raise ValueError(f"{engine.path}: no optimization profile takes the shapes {shapes}; rebuild with larger "
+                     f"engines.profiles or engines.max_batch")
+
+
+class TrtTarget(TargetBackend):
     def __init__(self, plan: str | Path, max_context: int, stream: torch.cuda.Stream | None = None):
         self.engine = Engine(plan, stream)
         e = self.engine
@@ -103,70 +114,46 @@ class TrtTarget:
         self.kv_heads, self.head_dim = lo[2], lo[3]
         self.dtype = e.dtypes["past_key_0"]
         self.max_context = max_context
-        self.cache: KVCache | None = None
 
-    def reset(self, capacity: int) -> None:
-        self.cache = KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cuda")
+    def reset(self, capacity: int = CHUNK) -> None:
+        self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cuda")
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def _profile(self, T: int, P: int) -> int:
-        shapes = {"input_ids": (1, T), "past_key_0": (1, P, self.kv_heads, self.head_dim)}
-        fitting = [p for p in range(len(self.engine.contexts)) if self.engine.fits(p, shapes)]
-        if fitting:   # the profile tuned for the nearest token count (prefill ~ a prompt, verify ~ the tree)
-            return min(fitting, key=lambda p: abs(self.engine.profile_range(p, "input_ids")[1][1] - T))
-        raise ValueError(f"{self.engine.path}: no optimization profile takes {T} new tokens after {P} committed "
-                         f"ones; rebuild with larger engines.profiles")
-
-    def forward(self, input_ids, positions, mask, last_only=False):
-        T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.stage(T)
-        full = torch.ones(1, T, P + T, dtype=torch.bool)
-        full[0, :, P:] = mask
-        feeds = {"input_ids": _cuda(input_ids[None], torch.int64), "position_ids": _cuda(positions[None], torch.int64),
-                 "attention_mask": _cuda(full, torch.bool),
-                 "logits_index": _cuda(torch.tensor([T - 1] if last_only else list(range(T))), torch.int64)}
+    def _run(self, input_ids, positions, mask, logits_index, slots, width):
+        B, T = input_ids.shape
+        feeds = {"input_ids": _cuda(input_ids, torch.int64), "position_ids": _cuda(positions, torch.int64),
+                 "attention_mask": _cuda(mask, torch.bool), "logits_index": _cuda(logits_index, torch.int64)}
+        for i in range(self.num_layers):   # past: contiguous views of the cache, no copies
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = self._past(slots, width, i)
         outputs = {}
-        for i in range(self.num_layers):   # past = committed prefix, new rows = staged rows: views, no copies
-            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = self.cache.k[i, :, :P], self.cache.v[i, :, :P]
-            outputs[f"new_key_{i}"], outputs[f"new_value_{i}"] = self.cache.k[i, :, P:P + T], self.cache.v[i, :, P:P + T]
-        self.engine.run(self._profile(T, P), feeds, outputs)
-        # Verification runs on the host (a few hundred values); the captured states stay on the GPU.
-        return outputs["logits"][0].float().cpu(), outputs["captured"][0]
-
-    def commit(self, rows: list[int]) -> None:
-        self.cache.commit(rows)
+        shapes = {"input_ids": (B, T), "past_key_0": (B, width, self.kv_heads, self.head_dim)}
+        self.engine.run(_profile(self.engine, shapes, T), feeds, outputs)
+        # Verification runs on the host (a few hundred values per sequence); captured stays on the GPU.
+        new = [outputs[f"new_{kv}_{i}"] for i in range(self.num_layers) for kv in ("key", "value")]
+        return outputs["logits"].float().cpu(), outputs["captured"], new[0::2], new[1::2]
 
 
-class TrtDrafter:
+class TrtDrafter(DrafterBackend):
     def __init__(self, plan: str | Path, shape: TreeShape, stream: torch.cuda.Stream | None = None):
         self.engine = Engine(plan, stream)
         lo, _, _ = self.engine.profile_range(0, "past_key")
         self.kv_heads, self.head_dim = lo[2], lo[3]
         self.dtype = self.engine.dtypes["past_key"]
         self.shape = shape
-        self.cache: KVCache | None = None
 
-    def reset(self, capacity: int) -> None:
-        self.cache = KVCache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cuda")
+    def reset(self, capacity: int = CHUNK) -> None:
+        self._new_cache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cuda")
 
-    def draft(self, captured: torch.Tensor, input_ids: torch.Tensor) -> DraftTree:
-        T, P = int(input_ids.shape[0]), self.cache.length
-        self.cache.stage(T)
-        feeds = {"captured": _cuda(captured[None], self.engine.dtypes["captured"]),
-                 "input_ids": _cuda(input_ids[None], torch.int64),
-                 "past_key": self.cache.k[0, :, :P], "past_value": self.cache.v[0, :, :P]}
-        outputs = {"new_key": self.cache.k[0, :, P:P + T], "new_value": self.cache.v[0, :, P:P + T]}
+    def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
+        past_k, past_v = self._past(slots, width, 0)
+        feeds = {"captured": _cuda(captured, self.engine.dtypes["captured"]),
+                 "input_ids": _cuda(input_ids, torch.int64), "past_key": past_k, "past_value": past_v,
+                 "past_lengths": _cuda(past_lengths, torch.int64), "new_lengths": _cuda(new_lengths, torch.int64)}
+        outputs = {}
         self.engine.run(0, feeds, outputs)
-        if int(outputs["tree_tokens"].shape[0]) != self.shape.total_tokens:
-            raise ValueError(f"{self.engine.path}: engine drafts {outputs['tree_tokens'].shape[0]} nodes, the decoder "
+        if int(outputs["tree_tokens"].shape[-1]) != self.shape.total_tokens:
+            raise ValueError(f"{self.engine.path}: engine drafts {outputs['tree_tokens'].shape[-1]} nodes, the decoder "
                              f"expects total_tokens {self.shape.total_tokens}")
-        self.cache.commit(list(range(T)))
-        tree = {n: outputs[n].cpu() for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores")}
-        return DraftTree(tree["tree_tokens"], tree["tree_parents"], tree["tree_mask"], tree["tree_depths"],
-                         tree["tree_scores"].float())
+        return tree_from_outputs(outputs), outputs["new_key"], outputs["new_value"]
 
 
 __all__ = ["Engine", "TrtDrafter", "TrtTarget"]
