@@ -13,7 +13,10 @@ The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (
 since the best shape depends on how verification cost grows with tokens on the hardware.
 Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
 decoding (drafter graph, target graph, host work outside graph calls), peak RSS, and whether
-the outputs of the three were identical. Prints a table, writes bench.json and two PNG plots."""
+the outputs of the three were identical. Prints a table, writes bench.json and two PNG plots.
+
+--concurrency 1,2,4,8 adds `concurrency` to bench.json: batched speculative, batched
+autoregressive and per-request speculative serving of many streams (eagle_trt/concurrency.py)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from . import concurrency
 from .api import prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
@@ -262,6 +266,10 @@ def main(argv=None) -> int:
     add_device_options(p)
     p.add_argument("--torch-row", action="store_true",
                    help="also time the PyTorch backend on --device (always done when the device is CUDA)")
+    p.add_argument("--concurrency", default="", help="comma-separated stream counts (e.g. 1,2,4,8): batched and "
+                   "per-request serving of --concurrency-prompts MT-bench prompts at each level (see "
+                   "eagle_trt/concurrency.py); with --workloads '' only this")
+    p.add_argument("--concurrency-prompts", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
@@ -276,6 +284,11 @@ def main(argv=None) -> int:
             same = device.type == "cpu" and dtype == "float32"
             torch_models = models if same else prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else []
+        if any(c < 1 for c in levels):
+            raise ConfigError(f"--concurrency {args.concurrency}: stream counts must be >= 1")
+        if not names and not levels:
+            raise ConfigError("nothing to measure: give --workloads or --concurrency")
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
                    for w in names}
         sweep = build(models.tokenizer, "mtbench", args.prompts + args.sweep_prompts)[args.prompts:]
@@ -294,8 +307,8 @@ def main(argv=None) -> int:
     drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
     eos = models.eos_ids
     decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
-    hf = HFBaseline(models.target.folder, device, torch_dtype(dtype))
-    warm = prompts[names[0]][0]                      # first-call allocations stay out of the numbers
+    hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
+    warm = sweep[0]                                  # first-call allocations stay out of the numbers
     decoder.generate(warm, 8)
     torch_decoder = None
     if torch_models is not None:
@@ -307,19 +320,32 @@ def main(argv=None) -> int:
     # same graph with spinning worker threads (its fastest setting); see make_session.
     ar_target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads, spin=True)
     generate_autoregressive(ar_target, warm, 8, eos)
-    hf.generate(warm, 8, eos)
+    if hf is not None:
+        hf.generate(warm, 8, eos)
     results = [run_workload(w, prompts[w], hf, ar_target, target, drafter, decoder, eos, args.max_new_tokens,
                             shape.depth, torch_decoder) for w in names]
+    concurrent = []
+    if levels:
+        print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
+        with torch_threads(1):
+            concurrent = concurrency.measure(target, drafter, eos, models.target.config.vocab_size,
+                                             build(models.tokenizer, "mtbench", args.concurrency_prompts),
+                                             args.max_new_tokens, levels)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "transformers_device": f"{device.type} {dtype}",
               "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
-              "results": results}
+              "results": results, "concurrency": concurrent}
     print(f"\n{report['drafter_variant']} drafter, tree {tuple(report['tree'])}, {args.max_new_tokens} new tokens, "
           f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
-    print(format_table(results))
+    if results:
+        print(format_table(results))
+    if concurrent:
+        print(f"\nconcurrent streams ({args.concurrency_prompts} MT-bench requests per level; ms/tok = per-request time "
+              f"per output token after the first; TTFT includes queueing):")
+        print(concurrency.format_table(concurrent))
     if tree_sweep:
         print("tree sweep (held-out MT-bench prompts, speculative tok/s): " + ", ".join(
             f"{tuple(r['tree'])} {r['tokens_per_second']:.1f} (accept {r['mean_accept_length']:.2f})" for r in tree_sweep))
@@ -328,7 +354,11 @@ def main(argv=None) -> int:
     tmp = args.out / "bench.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, args.out / "bench.json")
-    for path in plot(report, args.out):
+    paths = plot(report, args.out) if results else []
+    if concurrent:
+        paths.append(concurrency.plot(concurrent, args.out, f"{report['drafter_variant']} drafter, tree "
+                                      f"{tuple(report['tree'])}, {report['backend']}"))
+    for path in paths:
         print(f"wrote {path}")
     return 0
 

@@ -1,8 +1,8 @@
 """A real Triton server (the tritonserver 2.51 binary bundled in nvidia-pytriton, CPU, 127.0.0.1)
 serving the repository that python -m eagle_trt.build writes for SmolLM2, over streaming gRPC:
-streamed tokens equal the offline runtime's (same ONNX graphs, greedy), 8 concurrent streams,
-a client that disconnects mid-stream, and malformed requests that get errors while the server
-keeps serving."""
+streamed tokens equal the offline runtime's (same ONNX graphs, greedy), 16 concurrent streams
+continuously batched, a client that disconnects mid-stream, and malformed requests that get
+errors at once, even under load, while the server keeps serving."""
 from __future__ import annotations
 
 import queue
@@ -38,7 +38,7 @@ def built(tmp_path_factory):
     from eagle_trt.build import build, config_from_dict
     data = {"name": "serving", "tree": {"depth": 3, "top_k": 2, "total_tokens": 4},
             "engines": {"profiles": {"verify": {"opt_tokens": 5, "max_tokens": 5}}},
-            "parity": {"enabled": False}, "serving": {"threads": 1, "max_tokens": NEW_TOKENS, "max_concurrent": 4}}
+            "parity": {"enabled": False}, "serving": {"threads": 1, "max_tokens": NEW_TOKENS, "max_concurrent": 8}}
     cfg = config_from_dict(data, "serving test")
     return cfg, build(cfg, tmp_path_factory.mktemp("serving") / "out", log=None)
 
@@ -59,7 +59,7 @@ def offline(built, mtbench):
     target = OrtTarget(m.artifact("export/target.onnx"), resolved["target"]["max_context"], threads=1)
     drafter = OrtDrafter(m.artifact("export/drafter_tree.onnx"), cfg.tree.shape, threads=1)
     decoder = SpeculativeDecoder(target, drafter, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
-    prompts = mtbench[:8]
+    prompts = mtbench[:16]
     ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
     return {"prompts": prompts, "ids": ids, "tokens": [decoder.generate(i, NEW_TOKENS).tokens for i in ids],
             "tokenizer": tokenizer}
@@ -133,25 +133,77 @@ def test_streamed_tokens_equal_the_offline_runtime(server, offline):
         stream.close()
 
 
-def test_eight_concurrent_streams(server, offline):
+BAD_UNDER_LOAD = {
+    "invalid UTF-8": (lambda: [_input("text_input", np.array([b"caf\xc3 \xff"], dtype=np.object_), "BYTES")],
+                      "not valid UTF-8"),
+    "out-of-range id": (lambda: [_input("input_ids", np.array([5, 10**7], dtype=np.int64), "INT64")],
+                        "outside the vocabulary"),
+    "no prompt": (lambda: [_input("max_tokens", np.array([8], dtype=np.int32), "INT32")], "exactly one of text_input"),
+    "beyond context": (lambda: text_request("Hi", max_tokens=10**6), "exceeds the target's context"),
+}
+
+
+def test_sixteen_concurrent_streams_with_a_cancel_and_bad_requests(server, offline):
+    """16 streaming clients at once (8 decode in the running batch, 8 wait for a slot), mixed
+    prompts and max_tokens; one cancels mid-stream; malformed requests sent under that load are
+    refused within a second. Every completed stream equals its offline batch-1 output."""
+    limits = [NEW_TOKENS - (i % 4) * 3 for i in range(16)]
     results: dict[int, tuple] = {}
+    refusals: dict[str, tuple[float, str | None]] = {}
 
     def one(i: int) -> None:
         stream = Stream(server)
         try:
-            stream.send(text_request(offline["prompts"][i]), request_id=str(i))
-            results[i] = stream.collect()
+            stream.send(text_request(offline["prompts"][i], max_tokens=limits[i]), request_id=str(i))
+            results[i] = stream.collect(timeout=300)
         finally:
             stream.close()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+
+    def cancelling() -> None:
+        stream = Stream(server)
+        stream.send(text_request(offline["prompts"][3], max_tokens=400))
+        for _ in range(2):
+            _, error = stream.results.get(timeout=300)
+            results["cancel"] = error
+        stream.close(cancel=True)
+
+    def bad(name: str) -> None:
+        make, _ = BAD_UNDER_LOAD[name]
+        stream = Stream(server)
+        try:
+            start = time.perf_counter()
+            stream.send(make())
+            _, _, error = stream.collect(timeout=60)
+            refusals[name] = (time.perf_counter() - start, error)
+        finally:
+            stream.close()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)] + [threading.Thread(target=cancelling)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert sorted(results) == list(range(8))
-    for i, (pieces, _, error) in results.items():
+    time.sleep(1.0)   # the batch is full and requests are queued: now the malformed ones
+    bad_threads = [threading.Thread(target=bad, args=(name,)) for name in BAD_UNDER_LOAD]
+    for t in bad_threads:
+        t.start()
+    for t in threads + bad_threads:
+        t.join(timeout=600)
+    assert results.get("cancel", "missing") is None, "the cancelling client got an error before it cancelled"
+    for i in range(16):
+        pieces, _, error = results[i]
         assert error is None, f"stream {i}: {error}"
-        assert flat(pieces) == offline["tokens"][i], f"stream {i} differs from the offline runtime"
+        assert flat(pieces) == offline["tokens"][i][:limits[i]], f"stream {i} differs from its offline output"
+    for name, (_, message) in BAD_UNDER_LOAD.items():
+        seconds, error = refusals[name]
+        assert error is not None and message in error, (name, error)
+        assert seconds < 1.0, f"{name}: refused after {seconds:.1f}s under load; validation must not wait"
+    assert server.alive()
+    assert "waiting for a batch slot" in server.log
+    again = Stream(server)
+    try:
+        again.send(text_request(offline["prompts"][0]))
+        pieces, _, error = again.collect()
+        assert error is None and flat(pieces) == offline["tokens"][0]
+    finally:
+        again.close()
 
 
 def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offline):

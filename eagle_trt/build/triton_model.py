@@ -21,6 +21,7 @@ iteration, and closing a stream the moment its sequence finishes or its client c
 import json
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - a request must never take the model down
                 self._fail(sender, f"{type(exc).__name__}: {exc}")
                 continue
-            self.incoming.put((sender, Request(prompt, max_tokens, sampling)))
+            self.incoming.put((sender, Request(prompt, max_tokens, sampling, submitted=time.perf_counter())))
 
     def _parse(self, request):
         s = self.settings

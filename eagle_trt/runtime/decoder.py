@@ -38,7 +38,7 @@ class GenerationResult:
     seconds: float = 0.0
     prompt_tokens: int = 0
     stop_reason: str = ""                  # "eos", "max_new_tokens" or "cancelled" (on_tokens said stop)
-    token_times: list[float] = field(default_factory=list)   # seconds from start at which each token became final
+    token_times: list[float] = field(default_factory=list)   # seconds from submission to each token being final
 
     @property
     def mean_accept_length(self) -> float:
@@ -76,6 +76,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     on_tokens: Callable[[list[int]], bool | None] | None = None   # streams final tokens; False stops early
+    submitted: float | None = None   # perf_counter() when the request arrived: result times count from it
 
 
 def _empty_tree(device) -> DraftTree:
@@ -151,7 +152,7 @@ class SpeculativeDecoder:
         if not self.started or not self.active:
             self.reset()
         seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
-                       time.perf_counter())
+                       request.submitted or time.perf_counter())
         prompt, n = request.prompt_ids, len(request.prompt_ids)
         rows = n + request.max_new_tokens + self.nodes + 1
         slot = self.target.add_sequence(rows)
@@ -256,6 +257,9 @@ class SpeculativeDecoder:
         """Decode every request, at most max_batch at a time: a request joins as soon as a running
         one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
         waiting, seqs = list(requests), []
+        now = time.perf_counter()
+        for r in waiting:
+            r.submitted = r.submitted or now
         while waiting or self.active:
             while waiting and len(self.active) < max_batch:
                 seqs.append(self.add(waiting.pop(0)))

@@ -1,0 +1,132 @@
+"""Throughput and latency under concurrent streams (`python -m eagle_trt.bench --concurrency 1,2,4,8`).
+
+At each level c, every prompt is a request, all submitted at once, with at most c decoded at a
+time (a finished stream's slot goes to the next request). Three ways to serve them:
+- `speculative-batched`: one continuously batched speculative decoder (runtime/decoder.py) with
+  the cost model choosing how many draft tokens each iteration verifies;
+- `autoregressive-batched`: the same loop without a drafter (one token per sequence per call);
+- `speculative-per-request`: c threads, each running its own batch-1 speculative decoder on the
+  shared sessions (how the Triton model served requests before continuous batching).
+Per level and mode: total tokens/s (all streams together, wall clock), per-request time per
+output token after the first (p50 / p99 over requests), time to first token (p50 / p99, queueing
+included), and whether every stream's tokens equal its own batch-1 run (greedy)."""
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .runtime.cost import CostModel
+from .runtime.decoder import GenerationResult, Request, SpeculativeDecoder
+
+MODES = ("speculative-batched", "autoregressive-batched", "speculative-per-request")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams) -> list[GenerationResult]:
+    """`streams` threads, each with its own batch-1 decoder (own caches, shared graph sessions)."""
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    todo = list(range(len(prompts)))
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def worker():
+        decoder = SpeculativeDecoder(copy.copy(target), copy.copy(drafter), eos, vocab_size)
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            waited = time.perf_counter() - start
+            r = decoder.generate(prompts[i], max_new_tokens)
+            r.token_times = [t + waited for t in r.token_times]   # from submission, like the batched modes
+            results[i] = r
+    threads = [threading.Thread(target=worker) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens) -> list[GenerationResult]:
+    if mode == "speculative-per-request":
+        return per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
+    shape = drafter.shape
+    if mode == "speculative-batched":
+        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
+                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
+    else:
+        decoder = SpeculativeDecoder(target, None, eos, vocab_size)
+    return decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
+
+
+def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
+            log=sys.stderr) -> list[dict]:
+    solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
+    rows = []
+    for streams in levels:
+        for mode in MODES:
+            start = time.perf_counter()
+            results = run_level(mode, streams, target, drafter, eos, vocab_size, prompts, max_new_tokens)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(r.tokens) for r in results)
+            per_token = [1e3 * (r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
+                         for r in results if len(r.tokens) > 1]
+            first = [1e3 * r.token_times[0] for r in results if r.token_times]
+            row = {"streams": streams, "mode": mode, "requests": len(prompts), "tokens": tokens,
+                   "seconds": round(seconds, 3), "tokens_per_second": tokens / seconds,
+                   "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
+                   "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
+                   "mean_accept_length": statistics.fmean(a for r in results for a in r.accept_lengths or [1]),
+                   "identical_to_solo": all(r.tokens == s for r, s in zip(results, solo))}
+            rows.append(row)
+            print(f"  {streams} stream(s), {mode}: {row['tokens_per_second']:.1f} tok/s, accept "
+                  f"{row['mean_accept_length']:.2f}, p50 {row['p50_token_latency_ms']:.0f} ms/token, identical "
+                  f"{row['identical_to_solo']}", file=log, flush=True)
+    base = next((r["tokens_per_second"] for r in rows if r["streams"] == levels[0] and r["mode"] == MODES[0]), None)
+    for r in rows:
+        r["vs_one_stream"] = r["tokens_per_second"] / base if base else None
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'vs 1':>7}{'accept':>8}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
+            f"{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{r['vs_one_stream']:>6.2f}x"
+                     f"{r['mean_accept_length']:>8.2f}{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
+                     f"{r['p50_first_token_ms']:>10.0f}{r['p99_first_token_ms']:>10.0f}"
+                     f"{'yes' if r['identical_to_solo'] else 'NO':>6}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in MODES:
+        pts = [(r["streams"], r["tokens_per_second"]) for r in rows if r["mode"] == mode]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("total tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / "concurrency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
