@@ -115,6 +115,17 @@ class Stream:
         self.client.close()
 
 
+def assert_still_serving(server, offline) -> None:
+    """A fresh well-formed request after trouble gets its full offline output."""
+    again = Stream(server)
+    try:
+        again.send(text_request(offline["prompts"][0]))
+        pieces, _, error = again.collect()
+        assert error is None and flat(pieces) == offline["tokens"][0]
+    finally:
+        again.close()
+
+
 def test_streamed_tokens_equal_the_offline_runtime(server, offline):
     stream = Stream(server)
     try:
@@ -197,13 +208,7 @@ def test_sixteen_concurrent_streams_with_a_cancel_and_bad_requests(server, offli
         assert seconds < 1.0, f"{name}: refused after {seconds:.1f}s under load; validation must not wait"
     assert server.alive()
     assert "waiting for a batch slot" in server.log
-    again = Stream(server)
-    try:
-        again.send(text_request(offline["prompts"][0]))
-        pieces, _, error = again.collect()
-        assert error is None and flat(pieces) == offline["tokens"][0]
-    finally:
-        again.close()
+    assert_still_serving(server, offline)
 
 
 def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offline):
@@ -217,13 +222,7 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(server, offli
     stream.close(cancel=True)
     time.sleep(1.0)
     assert server.alive()
-    again = Stream(server)
-    try:
-        again.send(text_request(offline["prompts"][0]))
-        pieces, _, error = again.collect()
-        assert error is None and flat(pieces) == offline["tokens"][0]
-    finally:
-        again.close()
+    assert_still_serving(server, offline)
     assert "not healthy" not in server.log and "terminate called" not in server.log
     assert "eagle_trt: request cancelled by the client after" in server.log, "the abandoned request kept decoding"
 
