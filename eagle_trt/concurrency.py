@@ -9,7 +9,8 @@ time (a finished stream's slot goes to the next request). Three ways to serve th
   shared sessions (how the Triton model served requests before continuous batching).
 Per level and mode: total tokens/s (all streams together, wall clock), per-request time per
 output token after the first (p50 / p99 over requests), time to first token (p50 / p99, queueing
-included), and whether every stream's tokens equal its own batch-1 run (greedy)."""
+included), draft nodes verified per sequence and iteration (what the cost model chose; 0 =
+plain decoding), and whether every stream's tokens equal its own batch-1 run (greedy)."""
 from __future__ import annotations
 
 import copy
@@ -58,16 +59,19 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
     return results
 
 
-def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens) -> list[GenerationResult]:
+def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens
+              ) -> tuple[list[GenerationResult], float | None]:
+    """The results, and the mean draft nodes verified per iteration (None: per-request mode)."""
     if mode == "speculative-per-request":
-        return per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
+        return per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams), None
     shape = drafter.shape
     if mode == "speculative-batched":
         decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
     else:
         decoder = SpeculativeDecoder(target, None, eos, vocab_size)
-    return decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
+    results = decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
+    return results, statistics.fmean(decoder.verified)
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
@@ -77,7 +81,7 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
     for streams in levels:
         for mode in MODES:
             start = time.perf_counter()
-            results = run_level(mode, streams, target, drafter, eos, vocab_size, prompts, max_new_tokens)
+            results, nodes = run_level(mode, streams, target, drafter, eos, vocab_size, prompts, max_new_tokens)
             seconds = time.perf_counter() - start
             tokens = sum(len(r.tokens) for r in results)
             per_token = [1e3 * (r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
@@ -88,6 +92,7 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
                    "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
                    "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
                    "mean_accept_length": statistics.fmean(a for r in results for a in r.accept_lengths or [1]),
+                   "mean_draft_nodes_verified": nodes if nodes is not None else drafter.shape.total_tokens,
                    "identical_to_solo": all(r.tokens == s for r, s in zip(results, solo))}
             rows.append(row)
             print(f"  {streams} stream(s), {mode}: {row['tokens_per_second']:.1f} tok/s, accept "
@@ -100,12 +105,13 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'vs 1':>7}{'accept':>8}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
+    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
             f"{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{r['vs_one_stream']:>6.2f}x"
-                     f"{r['mean_accept_length']:>8.2f}{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
+                     f"{r['mean_accept_length']:>8.2f}{r['mean_draft_nodes_verified']:>7.2f}"
+                     f"{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
                      f"{r['p50_first_token_ms']:>10.0f}{r['p99_first_token_ms']:>10.0f}"
                      f"{'yes' if r['identical_to_solo'] else 'NO':>6}")
     return "\n".join(lines)

@@ -10,8 +10,10 @@ One iteration (`step`) for the B running sequences:
      leaves at once and frees its slot.
 Sequences join between iterations (`add`): the prompt is prefilled alone (B = 1 on its slot;
 prompts differ too much in length to pad together, and a long prefill is compute-bound
-anyway) and the drafter encodes all but its last row, so a joining sequence brings one pending
-row to the next batched drafter call like every other sequence.
+anyway). The drafter sees a sequence's committed rows only when the batch next drafts: a
+sequence with more pending rows than one iteration accepts (a new prompt, or rows from
+iterations that decoded plainly) has all but its last row encoded alone first, so the batched
+drafter call pads to a few rows, and a batch that never drafts does no drafter work at all.
 `generate` is this loop with one sequence."""
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ class Sequence:
         self.request, self.gen, self.start = request, gen, start
         self.result = GenerationResult(tokens=[], prompt_tokens=len(request.prompt_ids))
         self.emitted = 0
-        self.pending_states = None        # [r, A * H] target states of committed rows the drafter has not seen
+        self.pending_states: list = []    # [r, A * H] target states of committed rows the drafter has not seen
         self.pending_ids: list[int] = []  # the ids one position later (the last is the root)
         self.stop: str | None = None
 
@@ -124,6 +126,7 @@ class SpeculativeDecoder:
         self.vocab_size = vocab_size
         self.cost_model = cost_model
         self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
+        self.verified: list[int] = []         # draft nodes verified per sequence, per iteration
         self.started = False
 
     @property
@@ -160,18 +163,15 @@ class SpeculativeDecoder:
         ids = torch.tensor([prompt], dtype=torch.int64)
         logits, captured = self._timed(
             lambda: self.target.forward(ids, torch.arange(n)[None], causal_mask(n, 0), here, last_only=True),
-            lambda s: self.cost_model.time_target(n, s))
+            lambda s: self.cost_model.time_target(n, s, prefill=True))
         self.target.commit([list(range(n))])
         seq.result.target_calls = 1
         self.active.append(seq)
         first = sample_token(logits[0, -1], sampling, seq.gen)
         # The drafter pairs the target state of token t with the id of token t + 1.
-        seq.pending_states, seq.pending_ids = captured[0], prompt[1:] + [first]
+        seq.pending_states, seq.pending_ids = [captured[0]], prompt[1:] + [first]
         if self.drafter is not None:
             self.drafter.add_sequence(rows)
-            if n > 1:   # encode all but the last row now; the batched call takes one row per new sequence
-                self.drafter.draft(captured[:, :n - 1], torch.tensor([prompt[1:]]), None, here)
-                seq.pending_states, seq.pending_ids = captured[0, n - 1:], [first]
         seq.extend([first], self.eos_ids)
         if seq.stop:
             self._leave(slot)
@@ -185,17 +185,24 @@ class SpeculativeDecoder:
         self.active.pop()
 
     def _draft(self, batch: list[Sequence]) -> DraftTree:
+        backlog = self.drafter.shape.depth + 1      # more than one iteration accepts
+        for i, s in enumerate(batch):
+            states = torch.cat(s.pending_states) if len(s.pending_states) > 1 else s.pending_states[0]
+            s.pending_states = [states]
+            if len(s.pending_ids) > backlog:        # encode the backlog alone; its tree is not needed
+                self.drafter.draft(states[None, :-1], torch.tensor([s.pending_ids[:-1]]), None, range(i, i + 1))
+                s.pending_states, s.pending_ids = [states[-1:]], s.pending_ids[-1:]
         lengths = [len(s.pending_ids) for s in batch]
-        T, width = max(lengths), batch[0].pending_states.shape[-1]
-        states = batch[0].pending_states.new_zeros(len(batch), T, width)
+        T, width = max(lengths), batch[0].pending_states[0].shape[-1]
+        states = batch[0].pending_states[0].new_zeros(len(batch), T, width)
         ids = torch.zeros(len(batch), T, dtype=torch.int64)
         for i, s in enumerate(batch):   # padding rows are never committed nor seen
-            states[i, :lengths[i]] = s.pending_states
+            states[i, :lengths[i]] = s.pending_states[0]
             ids[i, :lengths[i]] = torch.tensor(s.pending_ids)
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                             lambda sec: self.cost_model.time_draft(len(batch), T, sec))
         for s in batch:
-            s.pending_states, s.pending_ids = None, []
+            s.pending_states, s.pending_ids = [], []
             s.result.drafter_calls += 1
         return trees
 
@@ -204,8 +211,9 @@ class SpeculativeDecoder:
         batch = list(self.active)
         if not batch:
             return []
-        B = len(batch)
+        B, start = len(batch), time.perf_counter()
         n = self.nodes if self.cost_model is None or self.drafter is None else self.cost_model.choose(B)
+        self.verified.append(n)
         roots = [s.result.tokens[-1] for s in batch]
         if n > 0:
             full = self._draft(batch)
@@ -232,12 +240,13 @@ class SpeculativeDecoder:
                 ranks = rank_desc(tree.scores).tolist()
                 self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)
         self.target.commit(paths)
+        if self.cost_model is not None:
+            self.cost_model.time_iteration(B, n, time.perf_counter() - start)
         finished = []
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))
-            accepted = captured[i, path]
-            s.pending_states = accepted if s.pending_states is None else torch.cat((s.pending_states, accepted))
+            s.pending_states.append(captured[i, path])
             s.pending_ids = s.pending_ids + new
             s.extend(new, self.eos_ids)
             if s.stop:

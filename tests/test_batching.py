@@ -1,0 +1,168 @@
+"""Batched decoding on tiny models: the KV cache's slots, the cost model's choices, and every
+sequence of a continuously batched run equal to its own batch-1 run (torch and ONNX Runtime),
+with mixed prompt lengths, per-sequence max_new_tokens and EOS, joins and leaves."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_trt.checkpoints import random_drafter
+from eagle_trt.config import SamplingConfig, TreeShape
+from eagle_trt.export import export_drafter_tree, export_target
+from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.cost import CallCosts, CostModel
+from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.kv_cache import CHUNK, KVCache
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+
+SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
+
+
+def test_kv_cache_slots_compaction_and_moves():
+    cache = KVCache(2, 1, 1, capacity=4)
+    for _ in range(3):
+        cache.add()
+    cache.stage(range(3), 3)
+    rows = torch.arange(3 * 3, dtype=torch.float32).reshape(3, 3, 1, 1) + 1   # sequence b, row t: 3b + t + 1
+    cache.write([rows, rows * 10], [rows, rows])
+    cache.commit([[0, 2], [0, 1, 2], [1]])
+    assert cache.lengths == [2, 3, 1]
+    assert cache.k[0, 0, :2, 0, 0].tolist() == [1, 3]            # row 2 compacted into place
+    assert cache.k[1, 2, :1, 0, 0].tolist() == [80]               # sequence 2 kept only its row 1
+    cache.remove(0)                                               # the last sequence moves into slot 0
+    assert cache.lengths == [1, 3] and cache.k[0, 0, :1, 0, 0].tolist() == [8]
+    cache.stage(range(1, 2), 70)                                  # grows in chunks, keeps the rows
+    assert cache.capacity == 2 * CHUNK and cache.k[0, 1, :3, 0, 0].tolist() == [4, 5, 6]
+    with pytest.raises(IndexError, match="outside the 70 staged rows"):
+        cache.commit([[70]])
+
+
+def test_call_costs_interpolate_and_extend():
+    costs = CallCosts()
+    for rows, seconds in ((1, 0.030), (5, 0.036), (100, 0.15)):
+        costs.add(rows, seconds)
+    assert costs(5) == pytest.approx(0.036)
+    assert costs(3) == pytest.approx(0.033)                       # halfway between 1 and 5 rows
+    assert costs(200) > costs(100)                                 # extended with the line's slope
+    costs.add(400, 1.0, table=False)                               # a prefill informs only the line
+    assert 400 not in costs.means
+
+
+def _model(per_row: float, fixed: float, accepted: list[float]) -> CostModel:
+    m = CostModel(nodes=len(accepted) - 1, draft_rows_per_seq=6, warmup=1)
+    for rows in range(1, 41):
+        m.time_target(rows, fixed + per_row * rows)
+    for batch in (1, 8):
+        m.time_iteration(batch, 0, fixed + per_row * batch)
+    m.time_draft(1, 1, 0.005)
+    m.time_draft(8, 2, 0.008)
+    m.accepted, m.observed, m.full_trees = list(accepted), [1.0] * len(accepted), 1
+    return m
+
+
+def test_cost_model_falls_back_to_plain_decoding_when_verification_is_compute_bound():
+    accepted = [1.0, 1.4, 1.55, 1.6, 1.62]
+    flat = _model(per_row=0.0001, fixed=0.03, accepted=accepted)      # memory-bound: more rows are nearly free
+    assert flat.choose(1) == 4 and flat.choose(8) >= 3
+    linear = _model(per_row=0.004, fixed=0.001, accepted=accepted)   # compute-bound: time ~ rows
+    assert linear.choose(8) == 0
+
+
+def test_cost_model_warms_up_then_probes_plain_decoding():
+    m = CostModel(nodes=4, draft_rows_per_seq=6, warmup=2)
+    assert m.choose(3) == 4                                            # nothing measured: full tree
+    m.time_target(15, 0.05)
+    m.time_draft(3, 2, 0.01)
+    m.observe([0, 2], 4)
+    m.observe([1], 4)
+    # n=1: 2 then 1 accepted; n=2: 2, 2; n>=3: 3, 2 (ranks below n count, in path order), recent-weighted
+    second = 1 / (1 + m.decay)
+    assert m.accepted[1:] == pytest.approx([2 - second, 2, 3 - second, 3 - second])
+    assert m.choose(3) == 0                                            # batch 3 never decoded plainly: probe
+    m.time_target(3, 0.05)
+    m.time_iteration(3, 0, 0.05)
+    m.time_iteration(3, 4, 0.05)                                       # measured: as fast as plain, 2.5 tokens
+    assert m.choose(3) == 4
+    m.time_iteration(3, 4, 10.0)                                       # e.g. a costly catch-up: now too slow
+    assert m.choose(3) == 3                                            # the untried next-best, from call costs
+    m.time_iteration(3, 3, 10.0)
+    assert m.choose(3) in (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target, tmp_path_factory):
+    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    folder = tmp_path_factory.mktemp("batching")
+    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+              "drafter_tree": export_drafter_tree(drafter, SHAPE, folder / "drafter_tree.onnx").path}
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, tiny_target.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (5, 31, 12, 1, 47, 9, 20, 3, 16, 26)]
+    return tiny_target, drafter, graphs, prompts
+
+
+def _backends(setup, backend):
+    target, drafter, graphs, _ = setup
+    if backend == "torch":
+        return TorchTarget(target.model), TorchDrafter(drafter, SHAPE)
+    return OrtTarget(graphs["target"], target.config.max_position_embeddings), OrtDrafter(graphs["drafter_tree"], SHAPE)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_batched_sequences_equal_their_batch_one_runs(setup, backend):
+    target_model, _, _, prompts = setup
+    target, drafter = _backends(setup, backend)
+    limits = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
+    # An EOS id that greedy decoding of some prompts produces: those sequences stop early, alone.
+    references = [generate_autoregressive(TorchTarget(target_model.model), p, n, []).tokens
+                  for p, n in zip(prompts, limits)]
+    eos = {references[1][10]}
+    solo = [SpeculativeDecoder(target, drafter, eos).generate(p, n).tokens for p, n in zip(prompts, limits)]
+    assert any(len(s) < n for s, n in zip(solo, limits)), "no sequence hit EOS: the check would be vacuous"
+    for s, ref in zip(solo, references):
+        assert s == ref[:len(s)]
+    for batch in (1, 3, 8):
+        decoder = SpeculativeDecoder(target, drafter, eos)
+        results = decoder.generate_batch([Request(p, n) for p, n in zip(prompts, limits)], max_batch=batch)
+        assert [r.tokens for r in results] == solo, f"batch {batch} differs from batch 1"
+        assert not decoder.active and decoder.target.batch == 0    # every slot freed
+    plain = SpeculativeDecoder(target, None, eos).generate_batch([Request(p, n) for p, n in zip(prompts, limits)], 8)
+    assert [r.tokens for r in plain] == solo
+
+
+def test_cost_model_choices_keep_outputs_identical(setup):
+    """Whatever the cost model verifies (full trees in warm-up, plain decoding, subtrees), the
+    tokens stay those of batch 1; a compute-bound cost table makes it stop drafting."""
+    _, _, _, prompts = setup
+    target, drafter = _backends(setup, "onnxruntime")
+    solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
+    for per_row, fixed in ((0.0001, 0.03), (0.004, 0.001)):   # memory-bound (a GPU), compute-bound (a CPU)
+        model = _model(per_row=per_row, fixed=fixed, accepted=[1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
+        for batch in range(1, 5):
+            model.time_iteration(batch, 0, fixed + per_row * batch)
+        # keep the seeded costs and acceptance: the tiny model's real ones would decide otherwise
+        model.time_target = lambda rows, seconds, prefill=False: None
+        model.time_iteration = lambda batch, n, seconds: None
+        model.observe = lambda ranks, verified: None
+        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model)
+        results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=4)
+        assert [r.tokens for r in results] == solo
+        if per_row > 0.001:
+            assert decoder.verified.count(0) > len(decoder.verified) // 2, decoder.verified
+        else:
+            assert min(decoder.verified) > 0, decoder.verified
+
+
+def test_sampled_sequences_in_a_batch_follow_their_own_seeds(setup):
+    """Per-sequence sampling settings and seeds: a seeded request gives the same tokens alone and
+    inside a batch with other settings."""
+    _, _, _, prompts = setup
+    target, drafter = _backends(setup, "torch")
+    configs = [SamplingConfig(1.0, seed=1), SamplingConfig(0.7, top_p=0.9, seed=2), SamplingConfig(),
+               SamplingConfig(1.2, top_k=5, seed=3)]
+    requests = [Request(p, 24, c) for p, c in zip(prompts, configs)]
+    solo = [SpeculativeDecoder(target, drafter, []).generate(r.prompt_ids, 24, r.sampling).tokens for r in requests]
+    batched = SpeculativeDecoder(target, drafter, []).generate_batch(
+        [Request(r.prompt_ids, 24, r.sampling) for r in requests], max_batch=4)
+    assert [r.tokens for r in batched] == solo
