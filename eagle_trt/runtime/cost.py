@@ -17,7 +17,10 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
 - seconds(n) is replaced by the measured mean time of whole iterations wherever this batch
   size has run with this n: that includes host work, and the catch-up encoding that the first
   drafting iteration after plain ones pays, so flip-flopping between the two costs what it
-  really costs. The sum of graph calls above is only the estimate for untried choices.
+  really costs. The sum of graph calls above, scaled by the host overhead the measured
+  drafting steps of that batch size show, is only the estimate for untried choices.
+- Catching the drafter up after plain steps is timed apart, and a choice to draft again pays
+  1/16 of it per step: switching back must pay for itself over the next 16 steps.
 - accepted(n) is the running mean, over verified trees, of the tokens the verification would
   have accepted had it verified only the n best nodes: the accepted path's leading nodes
   whose score rank is below n, plus the bonus token. A tree verified with n nodes informs
@@ -103,6 +106,8 @@ class CostModel:
     observed: list[float] = field(default_factory=list)   # weight behind accepted[n]
     full_trees: int = 0                                    # verifications of all N nodes so far
     iterations: dict = field(default_factory=dict)         # (batch, n) -> mean seconds of a whole step
+    catch_up: LineFit = field(default_factory=LineFit)     # seconds to encode rows skipped by plain steps
+    horizon: int = 16                                      # steps a catch-up is paid off over
 
     def __post_init__(self):
         self.accepted = [1.0] + [0.0] * self.nodes
@@ -119,13 +124,24 @@ class CostModel:
         old = self.iterations.get((batch, n))
         self.iterations[batch, n] = seconds if old is None else iteration_decay * old + (1 - iteration_decay) * seconds
 
-    def seconds(self, batch: int, n: int) -> float:
-        """A step's time: measured where this (batch, n) ran, else the sum of its graph calls."""
-        if (batch, n) in self.iterations:
-            return self.iterations[batch, n]
+    def time_catch_up(self, rows: int, seconds: float) -> None:
+        """The drafter encoding rows it skipped while the batch decoded plainly."""
+        self.catch_up.add(rows, seconds)
+
+    def _calls(self, batch: int, n: int) -> float:
         if n == 0:
             return self.target(batch)
         return self.target(batch * (1 + n)) + self.draft(batch * (self.accepted[n] + self.draft_rows_per_seq))
+
+    def seconds(self, batch: int, n: int) -> float:
+        """A step's time: measured where this (batch, n) ran, else the sum of its graph calls
+        scaled by how much longer than their calls the measured drafting steps of this batch
+        size took (host work)."""
+        if (batch, n) in self.iterations:
+            return self.iterations[batch, n]
+        ran = [m for m in range(1, self.nodes + 1) if (batch, m) in self.iterations]
+        scale = sum(self.iterations[batch, m] / max(self._calls(batch, m), 1e-9) for m in ran) / len(ran) if ran else 1.0
+        return self._calls(batch, n) * (scale if n else 1.0)
 
     def observe(self, path_ranks: list[int], verified: int) -> None:
         """One verified tree: the score ranks (0 = best) of the accepted draft nodes, root to
@@ -140,11 +156,15 @@ class CostModel:
             self.observed[n] = self.observed[n] * self.decay + 1.0
             self.accepted[n] += (accepted - self.accepted[n]) / self.observed[n]
 
-    def choose(self, batch: int) -> int:
-        """Draft nodes to verify per sequence this iteration (0 = plain decoding)."""
+    def choose(self, batch: int, backlog: int = 0) -> int:
+        """Draft nodes to verify per sequence this iteration (0 = plain decoding). backlog: rows
+        the drafter must catch up on before it can draft (after plain steps); that one-time cost
+        is spread over `horizon` steps, so the decoder does not flip back and forth."""
         if self.full_trees < self.warmup or not (self.target.seen and self.draft.seen):
             return self.nodes
         if (batch, 0) not in self.iterations:   # time plain decoding at this batch size once
             return 0
-        rates = [batch * self.accepted[n] / max(self.seconds(batch, n), 1e-9) for n in range(self.nodes + 1)]
+        extra = self.catch_up(backlog) / self.horizon if backlog and self.catch_up.seen else 0.0
+        rates = [batch * self.accepted[n] / max(self.seconds(batch, n) + (extra if n else 0.0), 1e-9)
+                 for n in range(self.nodes + 1)]
         return max(range(self.nodes + 1), key=lambda n: (rates[n], -n))

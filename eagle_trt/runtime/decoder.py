@@ -184,14 +184,24 @@ class SpeculativeDecoder:
         self.active[slot] = self.active[-1]
         self.active.pop()
 
-    def _draft(self, batch: list[Sequence]) -> DraftTree:
-        backlog = self.drafter.shape.depth + 1      # more than one iteration accepts
+    def _backlog(self, s: Sequence) -> int:
+        """Pending rows beyond what one iteration accepts (a new prompt, plain steps): encoded alone."""
+        return len(s.pending_ids) - 1 if len(s.pending_ids) > self.drafter.shape.depth + 1 else 0
+
+    def _draft(self, batch: list[Sequence]) -> tuple[DraftTree, float]:
+        """The batch's trees, and the seconds spent catching the drafter up on backlogs."""
+        caught_up, rows, start = False, 0, time.perf_counter()
         for i, s in enumerate(batch):
             states = torch.cat(s.pending_states) if len(s.pending_states) > 1 else s.pending_states[0]
             s.pending_states = [states]
-            if len(s.pending_ids) > backlog:        # encode the backlog alone; its tree is not needed
+            if self._backlog(s):                    # its tree is not needed
+                rows += self._backlog(s)
                 self.drafter.draft(states[None, :-1], torch.tensor([s.pending_ids[:-1]]), None, range(i, i + 1))
                 s.pending_states, s.pending_ids = [states[-1:]], s.pending_ids[-1:]
+                caught_up = True
+        catch_up = time.perf_counter() - start if caught_up else 0.0
+        if caught_up and self.cost_model is not None:
+            self.cost_model.time_catch_up(rows, catch_up)
         lengths = [len(s.pending_ids) for s in batch]
         T, width = max(lengths), batch[0].pending_states[0].shape[-1]
         states = batch[0].pending_states[0].new_zeros(len(batch), T, width)
@@ -204,19 +214,22 @@ class SpeculativeDecoder:
         for s in batch:
             s.pending_states, s.pending_ids = [], []
             s.result.drafter_calls += 1
-        return trees
+        return trees, catch_up
 
     def step(self) -> list[Sequence]:
         """One iteration for every active sequence; returns those that finished in it."""
         batch = list(self.active)
         if not batch:
             return []
-        B, start = len(batch), time.perf_counter()
-        n = self.nodes if self.cost_model is None or self.drafter is None else self.cost_model.choose(B)
+        B, start, catch_up = len(batch), time.perf_counter(), 0.0
+        if self.cost_model is None or self.drafter is None:
+            n = self.nodes
+        else:
+            n = self.cost_model.choose(B, sum(self._backlog(s) for s in batch))
         self.verified.append(n)
         roots = [s.result.tokens[-1] for s in batch]
         if n > 0:
-            full = self._draft(batch)
+            full, catch_up = self._draft(batch)
             trees = [full.row(i).top(n) for i in range(B)]
         else:
             trees = [_empty_tree("cpu")] * B
@@ -241,7 +254,7 @@ class SpeculativeDecoder:
                 self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)
         self.target.commit(paths)
         if self.cost_model is not None:
-            self.cost_model.time_iteration(B, n, time.perf_counter() - start)
+            self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)
         finished = []
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
