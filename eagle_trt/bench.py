@@ -328,9 +328,10 @@ def main(argv=None) -> int:
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
         with torch_threads(1):
+            held_out = build(models.tokenizer, "mtbench", args.concurrency_prompts + 8)
             concurrent = concurrency.measure(target, drafter, eos, models.target.config.vocab_size,
-                                             build(models.tokenizer, "mtbench", args.concurrency_prompts),
-                                             args.max_new_tokens, levels)
+                                             held_out[:args.concurrency_prompts], args.max_new_tokens, levels,
+                                             warm=held_out[args.concurrency_prompts:])
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "transformers_device": f"{device.type} {dtype}",

@@ -59,30 +59,37 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
     return results
 
 
-def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens
-              ) -> tuple[list[GenerationResult], float | None]:
-    """The results, and the mean draft nodes verified per iteration (None: per-request mode)."""
+def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens,
+              warm: list[list[int]]) -> tuple[list[GenerationResult], float | None, float]:
+    """The results, the mean draft nodes verified per iteration (None: per-request mode) and the
+    seconds of the timed run. A batched decoder first decodes `warm` (held-out prompts, 32
+    tokens, same batch size), as a server that has been running would have: the cost model's
+    warm-up verifications and its first timings stay out of the measurement."""
     if mode == "speculative-per-request":
-        return per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams), None
+        start = time.perf_counter()
+        results = per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
+        return results, None, time.perf_counter() - start
     shape = drafter.shape
     if mode == "speculative-batched":
         decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
     else:
         decoder = SpeculativeDecoder(target, None, eos, vocab_size)
+    decoder.generate_batch([Request(p, 32) for p in warm], max_batch=streams)
+    decoder.verified.clear()
+    start = time.perf_counter()
     results = decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
-    return results, statistics.fmean(decoder.verified)
+    return results, statistics.fmean(decoder.verified), time.perf_counter() - start
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
-            log=sys.stderr) -> list[dict]:
+            warm: list[list[int]], log=sys.stderr) -> list[dict]:
     solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
     rows = []
     for streams in levels:
         for mode in MODES:
-            start = time.perf_counter()
-            results, nodes = run_level(mode, streams, target, drafter, eos, vocab_size, prompts, max_new_tokens)
-            seconds = time.perf_counter() - start
+            results, nodes, seconds = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
+                                                max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)])
             tokens = sum(len(r.tokens) for r in results)
             per_token = [1e3 * (r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
                          for r in results if len(r.tokens) > 1]

@@ -99,13 +99,13 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     """transformers generate, autoregressive and speculative decoding on the exported graphs:
     identical greedy tokens, a time split that adds up, a cost breakdown whose break-even
     acceptance is the iteration cost in autoregressive steps, and the --tree auto sweep."""
-    from eagle_trt import bench
+    from eagle_trt import bench, concurrency
     from eagle_trt.checkpoints import random_drafter, save_drafter
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
                      "--tree-candidates", "2,1,2;2,2,3", "--sweep-prompts", "1", "--threads", "1",
                      "--onnx-dir", str(tmp_path / "onnx"), "--torch-row", "--device", "cpu",
-                     "--out", str(tmp_path / "out")])
+                     "--concurrency", "1,2", "--concurrency-prompts", "3", "--out", str(tmp_path / "out")])
     assert rc == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     (row,) = report["results"]
@@ -121,9 +121,16 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     c = row["cost"]
     assert c["iteration_ms"] == pytest.approx(c["draft_call_ms"] + c["verify_call_ms"] + c["host_ms_per_iteration"])
     assert c["break_even_accept_length"] == pytest.approx(c["iteration_ms"] / c["autoregressive_step_ms"])
-    for name in ("speedup.png", "acceptance_per_depth.png"):
+    rows = report["concurrency"]
+    assert [(r["streams"], r["mode"]) for r in rows] == [(c, m) for c in (1, 2) for m in concurrency.MODES]
+    for r in rows:   # every stream equals its batch-1 run; 3 requests x 6 tokens (or EOS) each
+        assert r["identical_to_solo"] and 0 < r["tokens"] <= 18 and r["tokens_per_second"] > 0
+        assert 0 <= r["p50_token_latency_ms"] <= r["p99_token_latency_ms"]
+    assert rows[0]["vs_one_stream"] == 1.0
+    for name in ("speedup.png", "acceptance_per_depth.png", "concurrency.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out and "PyTorch backend" in out
+    assert "concurrent streams" in out and "autoregressive-batched" in out
     assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
     assert "expected depth,top_k,total_tokens" in capsys.readouterr().err
