@@ -157,8 +157,10 @@ class SpeculativeDecoder:
         seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
                        request.submitted or time.perf_counter())
         prompt, n = request.prompt_ids, len(request.prompt_ids)
-        rows = n + request.max_new_tokens + self.nodes + 1
-        slot = self.target.add_sequence(rows)
+        # No rows reserved ahead: the cache grows in chunks as sequences do, since a batched call
+        # binds every row of the cache and reserving max_new_tokens up front widens every
+        # sequence's attention to the longest request's end for the whole run.
+        slot = self.target.add_sequence()
         here = range(slot, slot + 1)
         ids = torch.tensor([prompt], dtype=torch.int64)
         logits, captured = self._timed(
@@ -171,7 +173,7 @@ class SpeculativeDecoder:
         # The drafter pairs the target state of token t with the id of token t + 1.
         seq.pending_states, seq.pending_ids = [captured[0]], prompt[1:] + [first]
         if self.drafter is not None:
-            self.drafter.add_sequence(rows)
+            self.drafter.add_sequence()
         seq.extend([first], self.eos_ids)
         if seq.stop:
             self._leave(slot)
