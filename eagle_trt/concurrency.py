@@ -83,7 +83,8 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
-            warm: list[list[int]], log=sys.stderr) -> list[dict]:
+            warm: list[list[int]], log=None) -> list[dict]:
+    log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
     solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
     rows = []
     for streams in levels:
