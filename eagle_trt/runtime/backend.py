@@ -50,10 +50,6 @@ class _Batched:
     def lengths(self) -> list[int]:
         return self.cache.lengths
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
     def _stage(self, slots: range | None, T: int) -> tuple[range, Tensor, int]:
         """Stage T rows per sequence; returns the slots, their committed lengths [b] and the past width."""
         slots = slots if slots is not None else range(self.cache.batch)

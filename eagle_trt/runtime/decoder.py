@@ -127,7 +127,6 @@ class SpeculativeDecoder:
         self.cost_model = cost_model
         self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
         self.verified: list[int] = []         # draft nodes verified per sequence, per iteration
-        self.started = False
 
     @property
     def nodes(self) -> int:
@@ -144,7 +143,7 @@ class SpeculativeDecoder:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.active, self.started = [], True
+        self.active = []
 
     def add(self, request: Request) -> Sequence:
         """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
@@ -152,7 +151,7 @@ class SpeculativeDecoder:
         sampling = (request.sampling or SamplingConfig()).validate()
         request.sampling = sampling
         check_request(request.prompt_ids, request.max_new_tokens, self.target.max_context, self.vocab_size)
-        if not self.started or not self.active:
+        if not self.active:   # nothing running: start from fresh caches
             self.reset()
         seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
                        request.submitted or time.perf_counter())

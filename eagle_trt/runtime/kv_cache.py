@@ -42,11 +42,6 @@ class KVCache:
     def batch(self) -> int:
         return len(self.lengths)
 
-    @property
-    def length(self) -> int:
-        """Committed rows of a single sequence (batch-1 convenience)."""
-        return self.lengths[0]
-
     def add(self, rows: int = 0) -> int:
         """A new empty sequence in the next slot, with room for `rows` rows; returns its slot."""
         if self.batch == self.k.shape[1]:
