@@ -270,6 +270,8 @@ def main(argv=None) -> int:
                    "per-request serving of --concurrency-prompts MT-bench prompts at each level (see "
                    "eagle_trt/concurrency.py); with --workloads '' only this")
     p.add_argument("--concurrency-prompts", type=int, default=16)
+    p.add_argument("--concurrency-repeats", type=int, default=3,
+                   help="runs per level and mode, modes interleaved; tok/s is the median (runs differ by ~5%%)")
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
@@ -287,6 +289,8 @@ def main(argv=None) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else []
         if any(c < 1 for c in levels):
             raise ConfigError(f"--concurrency {args.concurrency}: stream counts must be >= 1")
+        if args.concurrency_repeats < 1:
+            raise ConfigError(f"--concurrency-repeats {args.concurrency_repeats}: must be >= 1")
         if not names and not levels:
             raise ConfigError("nothing to measure: give --workloads or --concurrency")
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
@@ -331,7 +335,8 @@ def main(argv=None) -> int:
             held_out = build(models.tokenizer, "mtbench", args.concurrency_prompts + 8)
             concurrent = concurrency.measure(target, drafter, eos, models.target.config.vocab_size,
                                              held_out[:args.concurrency_prompts], args.max_new_tokens, levels,
-                                             warm=held_out[args.concurrency_prompts:])
+                                             warm=held_out[args.concurrency_prompts:],
+                                             repeats=args.concurrency_repeats)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "transformers_device": f"{device.type} {dtype}",

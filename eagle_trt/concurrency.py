@@ -7,7 +7,8 @@ time (a finished stream's slot goes to the next request). Three ways to serve th
 - `autoregressive-batched`: the same loop without a drafter (one token per sequence per call);
 - `speculative-per-request`: c threads, each running its own batch-1 speculative decoder on the
   shared sessions (how the Triton model served requests before continuous batching).
-Per level and mode: total tokens/s (all streams together, wall clock), per-request time per
+Per level and mode: total tokens/s (all streams together, wall clock; the median of `repeats`
+interleaved runs, since identical runs differ by ~5% on a shared CPU), per-request time per
 output token after the first (p50 / p99 over requests), time to first token (p50 / p99, queueing
 included), draft nodes verified per sequence and iteration (what the cost model chose; 0 =
 plain decoding), and whether every stream's tokens equal its own batch-1 run (greedy)."""
@@ -83,27 +84,26 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
-            warm: list[list[int]], log=None) -> list[dict]:
+            warm: list[list[int]], log=None, repeats: int = 1) -> list[dict]:
+    """repeats > 1: every (level, mode) runs that many times, the modes' order rotating per
+    repeat so drift in the machine's speed falls on each alike; tokens/s is the median run's,
+    latencies are pooled over the runs."""
     log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
     solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
     rows = []
     for streams in levels:
+        runs: dict[str, list] = {mode: [] for mode in MODES}
+        for r in range(repeats):
+            for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                results, nodes, seconds = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
+                                                    max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)])
+                runs[mode].append((results, nodes, seconds))
+                print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
+                      f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s", file=log, flush=True)
         for mode in MODES:
-            results, nodes, seconds = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
-                                                max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)])
-            tokens = sum(len(r.tokens) for r in results)
-            per_token = [1e3 * (r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
-                         for r in results if len(r.tokens) > 1]
-            first = [1e3 * r.token_times[0] for r in results if r.token_times]
-            row = {"streams": streams, "mode": mode, "requests": len(prompts), "tokens": tokens,
-                   "seconds": round(seconds, 3), "tokens_per_second": tokens / seconds,
-                   "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
-                   "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
-                   "mean_accept_length": statistics.fmean(a for r in results for a in r.accept_lengths or [1]),
-                   "mean_draft_nodes_verified": nodes if nodes is not None else drafter.shape.total_tokens,
-                   "identical_to_solo": all(r.tokens == s for r, s in zip(results, solo))}
-            rows.append(row)
-            print(f"  {streams} stream(s), {mode}: {row['tokens_per_second']:.1f} tok/s, accept "
+            rows.append(_row(streams, mode, runs[mode], solo, drafter.shape.total_tokens))
+            row = rows[-1]
+            print(f"  {streams} stream(s), {mode}: {row['tokens_per_second']:.1f} tok/s (median of {repeats}), accept "
                   f"{row['mean_accept_length']:.2f}, p50 {row['p50_token_latency_ms']:.0f} ms/token, identical "
                   f"{row['identical_to_solo']}", file=log, flush=True)
     base = next((r["tokens_per_second"] for r in rows if r["streams"] == levels[0] and r["mode"] == MODES[0]), None)
@@ -112,12 +112,29 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
     return rows
 
 
+def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_tree: int) -> dict:
+    results = [x for rs, _, _ in runs for x in rs]
+    rates = [sum(len(x.tokens) for x in rs) / seconds for rs, _, seconds in runs]
+    per_token = [1e3 * (x.token_times[-1] - x.token_times[0]) / (len(x.tokens) - 1) for x in results if len(x.tokens) > 1]
+    first = [1e3 * x.token_times[0] for x in results if x.token_times]
+    nodes = [n for _, n, _ in runs if n is not None]
+    return {"streams": streams, "mode": mode, "requests": len(solo), "tokens": sum(len(x.tokens) for x in runs[0][0]),
+            "seconds": round(statistics.median(s for _, _, s in runs), 3),
+            "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": [round(r, 2) for r in rates],
+            "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
+            "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
+            "mean_accept_length": statistics.fmean(a for x in results for a in x.accept_lengths or [1]),
+            "mean_draft_nodes_verified": statistics.fmean(nodes) if nodes else nodes_per_tree,
+            "identical_to_solo": all(x.tokens == s for rs, _, _ in runs for x, s in zip(rs, solo))}
+
+
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
+    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'runs':>13}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
             f"{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{r['vs_one_stream']:>6.2f}x"
+        spread = f"{min(r['tokens_per_second_runs']):.0f}-{max(r['tokens_per_second_runs']):.0f}"
+        lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{spread:>13}{r['vs_one_stream']:>6.2f}x"
                      f"{r['mean_accept_length']:>8.2f}{r['mean_draft_nodes_verified']:>7.2f}"
                      f"{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
                      f"{r['p50_first_token_ms']:>10.0f}{r['p99_first_token_ms']:>10.0f}"

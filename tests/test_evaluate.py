@@ -105,7 +105,8 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
                      "--tree-candidates", "2,1,2;2,2,3", "--sweep-prompts", "1", "--threads", "1",
                      "--onnx-dir", str(tmp_path / "onnx"), "--torch-row", "--device", "cpu",
-                     "--concurrency", "1,2", "--concurrency-prompts", "3", "--out", str(tmp_path / "out")])
+                     "--concurrency", "1,2", "--concurrency-prompts", "3", "--concurrency-repeats", "2",
+                     "--out", str(tmp_path / "out")])
     assert rc == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     (row,) = report["results"]
@@ -126,6 +127,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     for r in rows:   # every stream equals its batch-1 run; 3 requests x 6 tokens (or EOS) each
         assert r["identical_to_solo"] and 0 < r["tokens"] <= 18 and r["tokens_per_second"] > 0
         assert 0 <= r["p50_token_latency_ms"] <= r["p99_token_latency_ms"]
+        assert len(r["tokens_per_second_runs"]) == 2 and min(r["tokens_per_second_runs"]) <= r["tokens_per_second"]
     assert rows[0]["vs_one_stream"] == 1.0
     for name in ("speedup.png", "acceptance_per_depth.png", "concurrency.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
@@ -134,3 +136,6 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     assert "concurrent streams" in out and "autoregressive-batched" in out
     assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
     assert "expected depth,top_k,total_tokens" in capsys.readouterr().err
+    assert bench.main(["--drafter", str(path), "--workloads", "", "--concurrency", "1", "--concurrency-repeats", "0",
+                       "--out", str(tmp_path / "d")]) == 2
+    assert "--concurrency-repeats 0: must be >= 1" in capsys.readouterr().err

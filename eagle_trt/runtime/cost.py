@@ -15,16 +15,28 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   line through prefills says, and getting exactly that ratio right is the whole decision.
 - draft(rows): a straight line fitted the same way, rows = B * (T + K * (D - 1)).
 - seconds(n) is replaced by the measured mean time of whole iterations wherever this batch
-  size has run with this n: that includes host work, and the catch-up encoding that the first
-  drafting iteration after plain ones pays, so flip-flopping between the two costs what it
-  really costs. The sum of graph calls above, scaled by the host overhead the measured
-  drafting steps of that batch size show, is only the estimate for untried choices.
-- Catching the drafter up after plain steps is timed apart, and a choice to draft again pays
-  1/16 of it per step: switching back must pay for itself over the next 16 steps.
-- accepted(n) is the running mean, over verified trees, of the tokens the verification would
-  have accepted had it verified only the n best nodes: the accepted path's leading nodes
-  whose score rank is below n, plus the bonus token. A tree verified with n nodes informs
-  every n' <= n, so the estimate of a smaller tree is never starved.
+  size has run with this n: that includes host work (not catching up, timed apart). For
+  untried choices it is the sum of graph calls above, scaled by the host overhead the measured
+  drafting steps of that batch size show (of every batch size, while it has none).
+- Catching the drafter up after plain steps (or on a new prompt) is timed apart, and a choice to
+  draft pays it off over the steps the sequence has left (its remaining max_new_tokens over
+  accepted(n), at most `horizon`): a catch-up is a one-time price for drafting for the rest of
+  the sequence, so a long backlog does not lock a sequence into plain decoding for its life.
+- accepted(n) = 1 + gain(1) + ... + gain(n), where gain(m) is the running mean, over trees
+  verified with at least m nodes, of how many more tokens verifying the m best nodes accepts
+  than verifying the m - 1 best (the accepted path's leading nodes whose highest score rank so
+  far is m - 1). Gains, not levels: a level kept per n would mix different trees (the full
+  tree's only from warm-up, the smaller ones from later) and could fall as n grows.
+- Drafting must beat plain decoding by `margin` (3%) in expected tokens per second to go on,
+  and by `switch_margin` (10%) to start after plain steps: estimates are noisy, a switch pays
+  a catch-up, and plain decoding is exactly what the batch would get without a drafter, so a
+  near tie goes to it.
+- Measured means go stale for choices no longer made, and one slow step (a shape's first run,
+  a busy machine) would otherwise rule a choice out for good. So while drafting, a batch size
+  re-times plain decoding every `explore_every` (32) steps and verifies the full tree every
+  32 drafting steps (which also keeps the larger trees' gains current); while decoding
+  plainly, it drafts full trees for `burst` (8) steps every 128 if drafting's estimated rate
+  is within `retry` (80%) of plain decoding's, enough trees to bring acceptance up to date.
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.
@@ -100,18 +112,37 @@ class CostModel:
     draft_rows_per_seq: int       # K * (D - 1): tree-expansion rows the drafter adds per sequence
     warmup: int = 8
     decay: float = 0.98
+    margin: float = 0.03                                   # drafting must beat plain decoding by this much
+    explore_every: int = 32                                # while drafting, verify the full tree this often
+    horizon: int = 64                                      # most steps a catch-up is paid off over
     target: CallCosts = field(default_factory=CallCosts)
     draft: LineFit = field(default_factory=LineFit)
-    accepted: list[float] = field(default_factory=list)   # accepted[n], n = 0..N
-    observed: list[float] = field(default_factory=list)   # weight behind accepted[n]
+    gains: list[float] = field(default_factory=list)      # gains[m]: accepted(m) - accepted(m - 1), m = 1..N
+    observed: list[float] = field(default_factory=list)   # weight behind gains[m]
     full_trees: int = 0                                    # verifications of all N nodes so far
+    since_full: int = 0                                    # drafting steps since the last full tree
     iterations: dict = field(default_factory=dict)         # (batch, n) -> mean seconds of a whole step
+    timed: set = field(default_factory=set)                # keys of `iterations` past their first step
+    clock: int = 0                                         # choices made
+    last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
+    retry: float = 0.8                                     # plain: re-time drafting if within this of it
+    burst: int = 8                                         # full-tree steps per retry
+    switch_margin: float = 0.10                            # plain -> drafting needs this much more
+    drafting: dict = field(default_factory=dict)           # batch -> whether the last choice drafted
+    trial: dict = field(default_factory=dict)              # batch -> retry steps still to run
     catch_up: LineFit = field(default_factory=LineFit)     # seconds to encode rows skipped by plain steps
-    horizon: int = 16                                      # steps a catch-up is paid off over
 
     def __post_init__(self):
-        self.accepted = [1.0] + [0.0] * self.nodes
-        self.observed = [1.0] + [0.0] * self.nodes
+        self.gains = [0.0] * (self.nodes + 1)
+        self.observed = [0.0] * (self.nodes + 1)
+
+    @property
+    def accepted(self) -> list[float]:
+        """accepted[n]: expected tokens per sequence from verifying the n best nodes (n = 0: 1)."""
+        out = [1.0]
+        for g in self.gains[1:]:
+            out.append(out[-1] + g)
+        return out
 
     def time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
         self.target.add(rows, seconds, table=not prefill)
@@ -120,18 +151,27 @@ class CostModel:
         self.draft.add(batch * (new_rows + self.draft_rows_per_seq), seconds)
 
     def time_iteration(self, batch: int, n: int, seconds: float, iteration_decay: float = 0.8) -> None:
-        """A whole step (drafting, verification, host work, catching the drafter up) with n nodes."""
-        old = self.iterations.get((batch, n))
-        self.iterations[batch, n] = seconds if old is None else iteration_decay * old + (1 - iteration_decay) * seconds
+        """A whole step (drafting, verification, host work; not catching up) with n nodes. The
+        first step of a (batch, n) only holds the place: a call shape's first run pays one-time
+        allocations, and a choice judged on it would not be tried again."""
+        key = batch, n
+        if key in self.iterations and key not in self.timed:
+            self.iterations[key] = seconds
+        elif key in self.iterations:
+            self.iterations[key] = iteration_decay * self.iterations[key] + (1 - iteration_decay) * seconds
+        else:
+            self.iterations[key] = seconds
+            return
+        self.timed.add(key)
 
     def time_catch_up(self, rows: int, seconds: float) -> None:
         """The drafter encoding rows it skipped while the batch decoded plainly."""
         self.catch_up.add(rows, seconds)
 
-    def _calls(self, batch: int, n: int) -> float:
+    def _calls(self, batch: int, n: int, accepted: list[float]) -> float:
         if n == 0:
             return self.target(batch)
-        return self.target(batch * (1 + n)) + self.draft(batch * (self.accepted[n] + self.draft_rows_per_seq))
+        return self.target(batch * (1 + n)) + self.draft(batch * (accepted[n] + self.draft_rows_per_seq))
 
     def seconds(self, batch: int, n: int) -> float:
         """A step's time: measured where this (batch, n) ran, else the sum of its graph calls
@@ -139,32 +179,65 @@ class CostModel:
         size took (host work)."""
         if (batch, n) in self.iterations:
             return self.iterations[batch, n]
-        ran = [m for m in range(1, self.nodes + 1) if (batch, m) in self.iterations]
-        scale = sum(self.iterations[batch, m] / max(self._calls(batch, m), 1e-9) for m in ran) / len(ran) if ran else 1.0
-        return self._calls(batch, n) * (scale if n else 1.0)
+        accepted = self.accepted
+        ran = [(b, m) for b, m in self.iterations if m > 0 and b == batch]
+        ran = ran or [(b, m) for b, m in self.iterations if m > 0]   # no drafting at this size yet: any size's
+        scale = (sum(self.iterations[k] / max(self._calls(*k, accepted), 1e-9) for k in ran) / len(ran)
+                 if ran else 1.0)
+        return self._calls(batch, n, accepted) * (scale if n else 1.0)
 
     def observe(self, path_ranks: list[int], verified: int) -> None:
         """One verified tree: the score ranks (0 = best) of the accepted draft nodes, root to
         leaf, and how many nodes were verified."""
         self.full_trees += verified == self.nodes
-        for n in range(1, verified + 1):
-            accepted = 1
-            for rank in path_ranks:
-                if rank >= n:
-                    break
-                accepted += 1
-            self.observed[n] = self.observed[n] * self.decay + 1.0
-            self.accepted[n] += (accepted - self.accepted[n]) / self.observed[n]
+        self.since_full = 0 if verified == self.nodes else self.since_full + 1
+        gained = [0] * (self.nodes + 1)
+        highest = -1
+        for rank in path_ranks:   # a node counts from n = (highest rank on its path so far) + 1 on
+            highest = max(highest, rank)
+            gained[highest + 1] += 1
+        for m in range(1, verified + 1):
+            self.observed[m] = self.observed[m] * self.decay + 1.0
+            self.gains[m] += (gained[m] - self.gains[m]) / self.observed[m]
 
-    def choose(self, batch: int, backlog: int = 0) -> int:
+    def choose(self, batch: int, backlog: int = 0, remaining: int | None = None) -> int:
         """Draft nodes to verify per sequence this iteration (0 = plain decoding). backlog: rows
-        the drafter must catch up on before it can draft (after plain steps); that one-time cost
-        is spread over `horizon` steps, so the decoder does not flip back and forth."""
+        the drafter must catch up on before it can draft (a new prompt, plain steps); that
+        one-time cost is paid off over the steps left (remaining: tokens the sequences with a
+        backlog may still generate, on average), at most `horizon`."""
         if self.full_trees < self.warmup or not (self.target.seen and self.draft.seen):
             return self.nodes
         if (batch, 0) not in self.iterations:   # time plain decoding at this batch size once
             return 0
-        extra = self.catch_up(backlog) / self.horizon if backlog and self.catch_up.seen else 0.0
-        rates = [batch * self.accepted[n] / max(self.seconds(batch, n) + (extra if n else 0.0), 1e-9)
-                 for n in range(self.nodes + 1)]
-        return max(range(self.nodes + 1), key=lambda n: (rates[n], -n))
+        accepted = self.accepted
+        catch_up = self.catch_up(backlog) if backlog and self.catch_up.seen else 0.0
+
+        def rate(n: int) -> float:
+            seconds = self.seconds(batch, n)
+            if n and catch_up:
+                steps = min(self.horizon, (remaining if remaining is not None else self.horizon) / accepted[n])
+                seconds += catch_up / max(steps, 1.0)
+            return batch * accepted[n] / max(seconds, 1e-9)
+        rates = [rate(n) for n in range(self.nodes + 1)]
+        best = max(range(1, self.nodes + 1), key=lambda n: (rates[n], -n))
+        # hysteresis: plain decoding switches to drafting only for a clear gain (a switch pays a
+        # catch-up, and the estimate that drafting pays comes from stale or few trees)
+        need = self.margin if self.drafting.get(batch) else self.switch_margin
+        pick = best if rates[best] > rates[0] * (1 + need) else 0
+        self.drafting[batch] = pick > 0
+        self.clock += 1
+        if self.trial.get(batch):                      # a retry burst in progress
+            self.trial[batch] -= 1
+            pick = pick or self.nodes
+        elif pick and self._stale(batch, 0, 1):        # re-time plain decoding: cheap while drafting
+            pick = 0
+        elif pick and self.since_full >= self.explore_every:
+            pick = self.nodes
+        elif not pick and rates[self.nodes] >= self.retry * rates[0] and self._stale(batch, self.nodes, 4):
+            self.trial[batch] = self.burst - 1         # drafting nearly pays: re-time it for a few steps
+            pick = self.nodes
+        self.last_run[batch, pick] = self.clock
+        return pick
+
+    def _stale(self, batch: int, n: int, periods: int) -> bool:
+        return self.clock - self.last_run.get((batch, n), 0) >= periods * self.explore_every

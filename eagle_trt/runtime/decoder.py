@@ -226,7 +226,9 @@ class SpeculativeDecoder:
         if self.cost_model is None or self.drafter is None:
             n = self.nodes
         else:
-            n = self.cost_model.choose(B, sum(self._backlog(s) for s in batch))
+            behind = [s for s in batch if self._backlog(s)]
+            left = [s.request.max_new_tokens - len(s.result.tokens) for s in behind]
+            n = self.cost_model.choose(B, sum(self._backlog(s) for s in behind), sum(left) // max(len(left), 1))
         self.verified.append(n)
         roots = [s.result.tokens[-1] for s in batch]
         if n > 0:
