@@ -139,11 +139,11 @@ def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past
     past_seen = torch.arange(P, dtype=torch.int64, device=dev)[None] < past_lengths[:, None]   # [B, P]
     causal = new_rows[None, :] <= new_rows[:, None]                                        # [T, T]
     mask0 = torch.cat((past_seen[:, None].expand(B, T, P), causal[None].expand(B, T, T)), dim=2)
-    step0 = drafter(drafter.project(captured), input_ids, positions, mask0, past_k, past_v)
+    step0 = drafter(drafter.project(captured), input_ids, positions, mask0, past_k, past_v, logits=False)
     ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 1), torch.cat((past_v, step0.new_v), 1)
 
     last = (new_lengths - 1)[:, None]                                                      # [B, 1]
-    logp = torch.log_softmax(_pick(step0.logits, last)[:, 0].float(), dim=-1)               # [B, Vd]
+    logp = torch.log_softmax(drafter.logits_of(_pick(step0.feedback, last))[:, 0].float(), dim=-1)   # [B, Vd]
     scores, draft_ids = _topk(logp, K)                                                     # [B, K]
     tokens = drafter.to_target_ids(draft_ids)
     all_scores, all_tokens = [scores], [tokens]

@@ -81,12 +81,15 @@ def test_cost_model_warms_up_then_probes_plain_decoding():
     assert m.accepted[1:] == pytest.approx([2 - second, 2, 3 - second, 3 - second])
     assert m.choose(3) == 0                                            # batch 3 never decoded plainly: probe
     m.time_target(3, 0.05)
-    m.time_iteration(3, 0, 0.05)
-    m.time_iteration(3, 4, 0.05)                                       # measured: as fast as plain, 2.5 tokens
+    for _ in range(2):                                                 # a (batch, n)'s first step is not counted
+        m.time_iteration(3, 0, 0.05)
+        m.time_iteration(3, 4, 0.05)                                   # measured: as fast as plain, 2.5 tokens
+    m.time_iteration(3, 1, 0.001)
+    assert m.seconds(3, 1) > 0.01                                      # a first step alone: estimated instead
     assert m.choose(3) in (3, 4)                                       # n = 3 and 4 accept the same here
     m.time_iteration(3, 4, 10.0)                                       # drafting steps turn out slow here:
     assert m.choose(3) == 0                                            # untried n scale with them too
-    m.iterations[3, 4] = 0.04
+    _timed(m, {(3, 0): 0.05, (3, 4): 0.04})
     m.time_catch_up(100, 0.1)
     assert m.choose(3) > 0 and m.choose(3, backlog=100) > 0             # 0.1 s over 64 steps: still worth it
     assert m.choose(3, backlog=100, remaining=2) == 0                   # but not for the last 2 tokens
@@ -98,32 +101,37 @@ def test_cost_model_warms_up_then_probes_plain_decoding():
     assert m.choose(3) == 4                                             # drafting: now and then the full tree
     m.observe([0], 4)
     assert m.since_full == 0 and m.choose(3) == 3
-    # a near tie goes to plain decoding: 2% more tokens per second is inside the margin
-    m.iterations = {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.02 for n in range(1, 5)}}
+    # a near tie goes to plain decoding: 1% more tokens per second is inside the margin
+    _timed(m, {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.01 for n in range(1, 5)}})
     assert m.choose(3) == 0
-    m.iterations = {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.05 for n in range(1, 5)}}
-    assert m.choose(3) == 0                                             # 5%: not enough to start drafting
-    m.iterations = {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.12 for n in range(1, 5)}}
-    assert m.choose(3) > 0                                              # 12% is
-    m.iterations = {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.05 for n in range(1, 5)}}
-    assert m.choose(3) > 0                                              # and 5% is enough to go on
+    _timed(m, {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.03 for n in range(1, 5)}})
+    assert m.choose(3) == 0                                             # 3%: not enough to start drafting
+    _timed(m, {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.07 for n in range(1, 5)}})
+    assert m.choose(3) > 0                                              # 7% is
+    _timed(m, {(3, 0): 0.05, **{(3, n): 0.05 * m.accepted[n] / 1.03 for n in range(1, 5)}})
+    assert m.choose(3) > 0                                              # and 3% is enough to go on
+
+
+def _timed(m: CostModel, iterations: dict) -> None:
+    """Measured step times, as if each (batch, n) had run more than once."""
+    m.iterations, m.timed = dict(iterations), set(iterations)
 
 
 def test_cost_model_re_times_the_choice_it_is_not_making():
-    """A stale mean must not rule a choice out for good: drafting re-times plain decoding every
-    32 steps; plain decoding drafts 8 full trees every 128 steps if drafting is nearly as good."""
+    """A stale mean must not rule a choice out for good: drafting re-times plain decoding for 3
+    steps every 32; plain decoding drafts 8 full trees every 128 steps if drafting is nearly as good."""
     m = CostModel(nodes=4, draft_rows_per_seq=6, warmup=1)
     m.time_target(4, 0.03)
     m.time_draft(4, 2, 0.01)
     m.observe([0, 3], 4)                                      # 3 tokens from the full tree, 2 from fewer nodes
-    m.iterations = {(4, 0): 0.06, **{(4, n): 0.05 for n in range(1, 5)}}   # plain timed once, on a slow step
-    picks = [m.choose(4) for _ in range(64)]
-    assert picks.count(0) == 2 and picks[31] == 0 and picks[63] == 0, picks
-    m.iterations = {(4, 0): 0.03, **{(4, n): 0.11 for n in range(1, 5)}}   # drafting at 82% of plain: retried
+    _timed(m, {(4, 0): 0.06, **{(4, n): 0.05 for n in range(1, 5)}})      # plain timed on slow steps
+    picks = [m.choose(4) for _ in range(70)]
+    assert picks.count(0) == 6 and picks[31:34] == picks[65:68] == [0] * 3, picks   # 3 in a row
+    _timed(m, {(4, 0): 0.03, **{(4, n): 0.11 for n in range(1, 5)}})      # drafting at 82% of plain: retried
     picks = [m.choose(4) for _ in range(256)]
     assert picks.count(4) in (8, 16) and set(picks) == {0, 4}, picks
     assert "".join(map(str, picks)).count("04444444400") == picks.count(4) // 8   # in bursts of 8
-    m.iterations = {(4, 0): 0.03, **{(4, n): 0.2 for n in range(1, 5)}}    # far behind: never retried
+    _timed(m, {(4, 0): 0.03, **{(4, n): 0.2 for n in range(1, 5)}})       # far behind: never retried
     assert set(m.choose(4) for _ in range(256)) == {0}
 
 
@@ -202,7 +210,7 @@ def test_cost_model_choices_keep_outputs_identical(setup):
         if per_row > 0.001:
             assert decoder.verified.count(0) > len(decoder.verified) // 2, decoder.verified
         else:
-            assert decoder.verified.count(0) <= len(decoder.verified) // 16 + 1, decoder.verified   # re-timing
+            assert decoder.verified.count(0) <= 3 * (len(decoder.verified) // 32 + 1), decoder.verified   # re-timing
 
 
 def test_sampled_sequences_in_a_batch_follow_their_own_seeds(setup):

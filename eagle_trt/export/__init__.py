@@ -15,7 +15,7 @@ __all__ = ["ExportedGraph", "UnsupportedGraph", "check_graph", "export_drafter_s
            "export_pipeline", "export_target"]
 
 
-GRAPH_FORMAT = 2   # 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree
+GRAPH_FORMAT = 3   # 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree; 3: step 0 lm_head on the last row only
 
 
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,

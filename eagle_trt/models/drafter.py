@@ -36,7 +36,7 @@ class DrafterLayer(nn.Module):
 
 @dataclass
 class DrafterOutput:
-    logits: Tensor     # [B, T, draft_vocab]
+    logits: Tensor | None   # [B, T, draft_vocab]; None when not asked for (see logits_of)
     feedback: Tensor   # [B, T, H]: the state the next draft step takes in place of f
     new_k: Tensor      # [B, T, Hkv, D]
     new_v: Tensor
@@ -73,7 +73,9 @@ class EagleDrafter(nn.Module):
         return self.fc(captured)
 
     def forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                past_k: Tensor, past_v: Tensor) -> DrafterOutput:
+                past_k: Tensor, past_v: Tensor, logits: bool = True) -> DrafterOutput:
+        """logits=False: skip the lm_head (for step 0 over many rows, of which tree drafting needs
+        one per sequence: the lm_head is ~40% of a row's work); logits_of gives the rows needed."""
         layer = self.midlayer
         e = self.embed_tokens(input_ids).to(hidden.dtype)
         normed_hidden = layer.hidden_norm(hidden)
@@ -83,7 +85,11 @@ class EagleDrafter(nn.Module):
         h1 = attn + (normed_hidden if self.cfg.norm_before_residual else hidden)
         h2 = h1 + layer.mlp(layer.post_attention_layernorm(h1))
         z = self.norm(h2)
-        return DrafterOutput(self.lm_head(z), z if self.cfg.norm_output else h2, k, v)
+        return DrafterOutput(self.lm_head(z) if logits else None, z if self.cfg.norm_output else h2, k, v)
+
+    def logits_of(self, feedback: Tensor) -> Tensor:
+        """The logits of rows from their fed-back states (z itself in 3.1, h2 in EAGLE-3)."""
+        return self.lm_head(feedback if self.cfg.norm_output else self.norm(feedback))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]

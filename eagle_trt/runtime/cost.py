@@ -15,9 +15,10 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   line through prefills says, and getting exactly that ratio right is the whole decision.
 - draft(rows): a straight line fitted the same way, rows = B * (T + K * (D - 1)).
 - seconds(n) is replaced by the measured mean time of whole iterations wherever this batch
-  size has run with this n: that includes host work (not catching up, timed apart). For
-  untried choices it is the sum of graph calls above, scaled by the host overhead the measured
-  drafting steps of that batch size show (of every batch size, while it has none).
+  size has run with this n (its first such step not counted: one-time allocations); that
+  includes host work (not catching up, timed apart). For untried choices it is the sum of
+  graph calls above, scaled by the host overhead the measured drafting steps of that batch
+  size show (of every batch size, while it has none).
 - Catching the drafter up after plain steps (or on a new prompt) is timed apart, and a choice to
   draft pays it off over the steps the sequence has left (its remaining max_new_tokens over
   accepted(n), at most `horizon`): a catch-up is a one-time price for drafting for the rest of
@@ -27,13 +28,13 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   than verifying the m - 1 best (the accepted path's leading nodes whose highest score rank so
   far is m - 1). Gains, not levels: a level kept per n would mix different trees (the full
   tree's only from warm-up, the smaller ones from later) and could fall as n grows.
-- Drafting must beat plain decoding by `margin` (3%) in expected tokens per second to go on,
-  and by `switch_margin` (10%) to start after plain steps: estimates are noisy, a switch pays
+- Drafting must beat plain decoding by `margin` (2%) in expected tokens per second to go on,
+  and by `switch_margin` (5%) to start after plain steps: estimates are noisy, a switch pays
   a catch-up, and plain decoding is exactly what the batch would get without a drafter, so a
   near tie goes to it.
 - Measured means go stale for choices no longer made, and one slow step (a shape's first run,
   a busy machine) would otherwise rule a choice out for good. So while drafting, a batch size
-  re-times plain decoding every `explore_every` (32) steps and verifies the full tree every
+  re-times plain decoding for `plain_burst` (3) steps every `explore_every` (32) and verifies the full tree every
   32 drafting steps (which also keeps the larger trees' gains current); while decoding
   plainly, it drafts full trees for `burst` (8) steps every 128 if drafting's estimated rate
   is within `retry` (80%) of plain decoding's, enough trees to bring acceptance up to date.
@@ -110,9 +111,9 @@ class CallCosts:
 class CostModel:
     nodes: int                    # N: draft nodes per tree
     draft_rows_per_seq: int       # K * (D - 1): tree-expansion rows the drafter adds per sequence
-    warmup: int = 8
-    decay: float = 0.98
-    margin: float = 0.03                                   # drafting must beat plain decoding by this much
+    warmup: int = 32
+    decay: float = 0.99
+    margin: float = 0.02                                   # drafting must beat plain decoding by this much
     explore_every: int = 32                                # while drafting, verify the full tree this often
     horizon: int = 64                                      # most steps a catch-up is paid off over
     target: CallCosts = field(default_factory=CallCosts)
@@ -125,11 +126,12 @@ class CostModel:
     timed: set = field(default_factory=set)                # keys of `iterations` past their first step
     clock: int = 0                                         # choices made
     last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
-    retry: float = 0.8                                     # plain: re-time drafting if within this of it
+    retry: float = 0.7                                     # plain: re-time drafting if within this of it
     burst: int = 8                                         # full-tree steps per retry
-    switch_margin: float = 0.10                            # plain -> drafting needs this much more
+    plain_burst: int = 3                                   # plain steps per re-timing while drafting
+    switch_margin: float = 0.05                            # plain -> drafting needs this much more
     drafting: dict = field(default_factory=dict)           # batch -> whether the last choice drafted
-    trial: dict = field(default_factory=dict)              # batch -> retry steps still to run
+    trial: dict = field(default_factory=dict)              # batch -> (n, steps still to run) of a re-timing
     catch_up: LineFit = field(default_factory=LineFit)     # seconds to encode rows skipped by plain steps
 
     def __post_init__(self):
@@ -150,9 +152,9 @@ class CostModel:
     def time_draft(self, batch: int, new_rows: int, seconds: float) -> None:
         self.draft.add(batch * (new_rows + self.draft_rows_per_seq), seconds)
 
-    def time_iteration(self, batch: int, n: int, seconds: float, iteration_decay: float = 0.8) -> None:
+    def time_iteration(self, batch: int, n: int, seconds: float, iteration_decay: float = 0.9) -> None:
         """A whole step (drafting, verification, host work; not catching up) with n nodes. The
-        first step of a (batch, n) only holds the place: a call shape's first run pays one-time
+        first step of a (batch, n) is not used: a call shape's first run pays one-time
         allocations, and a choice judged on it would not be tried again."""
         key = batch, n
         if key in self.iterations and key not in self.timed:
@@ -177,11 +179,11 @@ class CostModel:
         """A step's time: measured where this (batch, n) ran, else the sum of its graph calls
         scaled by how much longer than their calls the measured drafting steps of this batch
         size took (host work)."""
-        if (batch, n) in self.iterations:
+        if (batch, n) in self.timed:
             return self.iterations[batch, n]
         accepted = self.accepted
-        ran = [(b, m) for b, m in self.iterations if m > 0 and b == batch]
-        ran = ran or [(b, m) for b, m in self.iterations if m > 0]   # no drafting at this size yet: any size's
+        ran = [(b, m) for b, m in self.timed if m > 0 and b == batch]
+        ran = ran or [(b, m) for b, m in self.timed if m > 0]   # no drafting at this size yet: any size's
         scale = (sum(self.iterations[k] / max(self._calls(*k, accepted), 1e-9) for k in ran) / len(ran)
                  if ran else 1.0)
         return self._calls(batch, n, accepted) * (scale if n else 1.0)
@@ -226,15 +228,17 @@ class CostModel:
         pick = best if rates[best] > rates[0] * (1 + need) else 0
         self.drafting[batch] = pick > 0
         self.clock += 1
-        if self.trial.get(batch):                      # a retry burst in progress
-            self.trial[batch] -= 1
-            pick = pick or self.nodes
+        retiming, left = self.trial.get(batch, (0, 0))
+        if left:                                       # a re-timing in progress
+            self.trial[batch] = retiming, left - 1
+            pick = retiming
         elif pick and self._stale(batch, 0, 1):        # re-time plain decoding: cheap while drafting
+            self.trial[batch] = 0, self.plain_burst - 1
             pick = 0
         elif pick and self.since_full >= self.explore_every:
             pick = self.nodes
         elif not pick and rates[self.nodes] >= self.retry * rates[0] and self._stale(batch, self.nodes, 4):
-            self.trial[batch] = self.burst - 1         # drafting nearly pays: re-time it for a few steps
+            self.trial[batch] = self.nodes, self.burst - 1   # drafting nearly pays: re-time it for a few steps
             pick = self.nodes
         self.last_run[batch, pick] = self.clock
         return pick
