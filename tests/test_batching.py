@@ -81,13 +81,16 @@ def test_cost_model_warms_up_then_probes_plain_decoding():
     assert m.accepted[1:] == pytest.approx([2 - second, 2, 3 - second, 3 - second])
     assert m.choose(3) == 0                                            # batch 3 never decoded plainly: probe
     m.time_target(3, 0.05)
-    for _ in range(2):                                                 # a (batch, n)'s first step is not counted
+    for _ in range(3):                                                 # a (batch, n)'s first step is not counted
         m.time_iteration(3, 0, 0.05)
         m.time_iteration(3, 4, 0.05)                                   # measured: as fast as plain, 2.5 tokens
+    m.time_iteration(3, 0, 0.5)
+    assert m.seconds(3, 0) == 0.05                                     # one slow step (median of recent ones)
     m.time_iteration(3, 1, 0.001)
     assert m.seconds(3, 1) > 0.01                                      # a first step alone: estimated instead
     assert m.choose(3) in (3, 4)                                       # n = 3 and 4 accept the same here
-    m.time_iteration(3, 4, 10.0)                                       # drafting steps turn out slow here:
+    for _ in range(2):
+        m.time_iteration(3, 4, 10.0)                                   # drafting steps turn out slow here:
     assert m.choose(3) == 0                                            # untried n scale with them too
     _timed(m, {(3, 0): 0.05, (3, 4): 0.04})
     m.time_catch_up(100, 0.1)

@@ -14,8 +14,8 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   A table and not only the line: on a CPU one row costs nearly what five do, far more than the
   line through prefills says, and getting exactly that ratio right is the whole decision.
 - draft(rows): a straight line fitted the same way, rows = B * (T + K * (D - 1)).
-- seconds(n) is replaced by the measured mean time of whole iterations wherever this batch
-  size has run with this n (its first such step not counted: one-time allocations); that
+- seconds(n) is replaced by the measured time of whole iterations wherever this batch size
+  has run with this n (the median of its last 9 steps, its very first not counted); that
   includes host work (not catching up, timed apart). For untried choices it is the sum of
   graph calls above, scaled by the host overhead the measured drafting steps of that batch
   size show (of every batch size, while it has none).
@@ -46,6 +46,7 @@ wins: the decoder stops drafting and decodes plainly, and drafts again when the 
 (the drafter then catches up on the rows it skipped in one call)."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -124,6 +125,8 @@ class CostModel:
     since_full: int = 0                                    # drafting steps since the last full tree
     iterations: dict = field(default_factory=dict)         # (batch, n) -> mean seconds of a whole step
     timed: set = field(default_factory=set)                # keys of `iterations` past their first step
+    samples: dict = field(default_factory=dict)            # (batch, n) -> its last `recent` step times
+    recent: int = 9
     clock: int = 0                                         # choices made
     last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
     retry: float = 0.7                                     # plain: re-time drafting if within this of it
@@ -152,18 +155,20 @@ class CostModel:
     def time_draft(self, batch: int, new_rows: int, seconds: float) -> None:
         self.draft.add(batch * (new_rows + self.draft_rows_per_seq), seconds)
 
-    def time_iteration(self, batch: int, n: int, seconds: float, iteration_decay: float = 0.9) -> None:
-        """A whole step (drafting, verification, host work; not catching up) with n nodes. The
-        first step of a (batch, n) is not used: a call shape's first run pays one-time
-        allocations, and a choice judged on it would not be tried again."""
+    def time_iteration(self, batch: int, n: int, seconds: float) -> None:
+        """A whole step (drafting, verification, host work; not catching up) with n nodes. Its
+        mean is the median of the last `recent` steps: the first step after a switch of call
+        shape runs slow (buffers re-planned), and a mean would carry that into the choice. The
+        first step of a (batch, n) is not used at all: one-time allocations."""
         key = batch, n
-        if key in self.iterations and key not in self.timed:
+        if key not in self.iterations:
             self.iterations[key] = seconds
-        elif key in self.iterations:
-            self.iterations[key] = iteration_decay * self.iterations[key] + (1 - iteration_decay) * seconds
-        else:
-            self.iterations[key] = seconds
+            self.samples[key] = []
             return
+        kept = self.samples.setdefault(key, [])
+        kept.append(seconds)
+        del kept[:-self.recent]
+        self.iterations[key] = statistics.median(kept)
         self.timed.add(key)
 
     def time_catch_up(self, rows: int, seconds: float) -> None:
