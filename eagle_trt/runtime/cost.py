@@ -36,8 +36,10 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   a busy machine) would otherwise rule a choice out for good. So while drafting, a batch size
   re-times plain decoding for `plain_burst` (3) steps every `explore_every` (32) and verifies the full tree every
   32 drafting steps (which also keeps the larger trees' gains current); while decoding
-  plainly, it drafts full trees for `burst` (8) steps every 128 if drafting's estimated rate
-  is within `retry` (80%) of plain decoding's, enough trees to bring acceptance up to date.
+  plainly, it drafts full trees for `burst` (8) steps if drafting's estimated rate (its
+  catch-up included) is within `retry` (85%) of plain decoding's, enough trees to bring
+  acceptance up to date: 128 steps after it last drafted, then after twice as long each time a
+  retry does not win (up to 1024 steps), since every retry pays a catch-up.
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.
@@ -129,7 +131,8 @@ class CostModel:
     recent: int = 9
     clock: int = 0                                         # choices made
     last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
-    retry: float = 0.7                                     # plain: re-time drafting if within this of it
+    retry: float = 0.85                                    # plain: re-time drafting if within this of it
+    backoff: dict = field(default_factory=dict)            # batch -> explore_every periods between retries
     burst: int = 8                                         # full-tree steps per retry
     plain_burst: int = 3                                   # plain steps per re-timing while drafting
     switch_margin: float = 0.05                            # plain -> drafting needs this much more
@@ -232,6 +235,8 @@ class CostModel:
         need = self.margin if self.drafting.get(batch) else self.switch_margin
         pick = best if rates[best] > rates[0] * (1 + need) else 0
         self.drafting[batch] = pick > 0
+        if pick:
+            self.backoff[batch] = 4
         self.clock += 1
         retiming, left = self.trial.get(batch, (0, 0))
         if left:                                       # a re-timing in progress
@@ -242,8 +247,10 @@ class CostModel:
             pick = 0
         elif pick and self.since_full >= self.explore_every:
             pick = self.nodes
-        elif not pick and rates[self.nodes] >= self.retry * rates[0] and self._stale(batch, self.nodes, 4):
+        elif (not pick and rates[self.nodes] >= self.retry * rates[0]
+              and self._stale(batch, self.nodes, self.backoff.get(batch, 4))):
             self.trial[batch] = self.nodes, self.burst - 1   # drafting nearly pays: re-time it for a few steps
+            self.backoff[batch] = min(2 * self.backoff.get(batch, 4), 32)   # each retry that fails waits longer
             pick = self.nodes
         self.last_run[batch, pick] = self.clock
         return pick
