@@ -34,12 +34,14 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   near tie goes to it.
 - Measured means go stale for choices no longer made, and one slow step (a shape's first run,
   a busy machine) would otherwise rule a choice out for good. So while drafting, a batch size
-  re-times plain decoding for `plain_burst` (3) steps every `explore_every` (32) and verifies the full tree every
-  32 drafting steps (which also keeps the larger trees' gains current); while decoding
-  plainly, it drafts full trees for `burst` (8) steps if drafting's estimated rate (its
-  catch-up included) is within `retry` (85%) of plain decoding's, enough trees to bring
-  acceptance up to date: 128 steps after it last drafted, then after twice as long each time a
-  retry does not win (up to 1024 steps), since every retry pays a catch-up.
+  re-times plain decoding for `plain_burst` (3) steps every `explore_every` (32) and verifies
+  the full tree every 32 drafting steps (which also keeps the larger trees' gains current).
+  While decoding plainly, it drafts full trees for `burst` (8) steps if drafting's estimated
+  rate (its catch-up included) is within `retry` (85%) of plain decoding's: 128 steps after the
+  decoder last drafted (at any batch size: a batch shrinking as requests finish is not retried
+  at every size), then twice as long after each retry that does not win (up to 1024 steps:
+  every retry pays a catch-up). A retry re-learns acceptance: the trees before it weigh as much as
+  one burst's, since they are from the sequences that made drafting stop.
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.
@@ -132,7 +134,8 @@ class CostModel:
     clock: int = 0                                         # choices made
     last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
     retry: float = 0.85                                    # plain: re-time drafting if within this of it
-    backoff: dict = field(default_factory=dict)            # batch -> explore_every periods between retries
+    backoff: int = 4                                       # explore_every periods from drafting to a retry
+    last_drafted: int = 0                                  # clock of the last step that drafted (any batch)
     burst: int = 8                                         # full-tree steps per retry
     plain_burst: int = 3                                   # plain steps per re-timing while drafting
     switch_margin: float = 0.05                            # plain -> drafting needs this much more
@@ -236,7 +239,7 @@ class CostModel:
         pick = best if rates[best] > rates[0] * (1 + need) else 0
         self.drafting[batch] = pick > 0
         if pick:
-            self.backoff[batch] = 4
+            self.backoff = 4
         self.clock += 1
         retiming, left = self.trial.get(batch, (0, 0))
         if left:                                       # a re-timing in progress
@@ -248,11 +251,16 @@ class CostModel:
         elif pick and self.since_full >= self.explore_every:
             pick = self.nodes
         elif (not pick and rates[self.nodes] >= self.retry * rates[0]
-              and self._stale(batch, self.nodes, self.backoff.get(batch, 4))):
+              and self.clock - self.last_drafted >= self.backoff * self.explore_every):
             self.trial[batch] = self.nodes, self.burst - 1   # drafting nearly pays: re-time it for a few steps
-            self.backoff[batch] = min(2 * self.backoff.get(batch, 4), 32)   # each retry that fails waits longer
+            # and re-learn acceptance: the trees before weigh as much as one burst's (they are
+            # from the sequences that made drafting stop, and the batch has moved on since)
+            self.observed = [min(w, self.burst) for w in self.observed]
+            self.backoff = min(2 * self.backoff, 32)     # each retry that does not win waits longer
             pick = self.nodes
         self.last_run[batch, pick] = self.clock
+        if pick:
+            self.last_drafted = self.clock
         return pick
 
     def _stale(self, batch: int, n: int, periods: int) -> bool:
