@@ -40,8 +40,8 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   rate (its catch-up included) is within `retry` (85%) of plain decoding's: 128 steps after the
   decoder last drafted (at any batch size: a batch shrinking as requests finish is not retried
   at every size), then twice as long after each retry that does not win (up to 1024 steps:
-  every retry pays a catch-up). A retry re-learns acceptance: the trees before it weigh as much as
-  one burst's, since they are from the sequences that made drafting stop.
+  every retry pays a catch-up). A retry re-learns acceptance: the trees before it weigh as much
+  as `burst` trees, since they are from the sequences that made drafting stop.
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.
@@ -253,7 +253,7 @@ class CostModel:
         elif (not pick and rates[self.nodes] >= self.retry * rates[0]
               and self.clock - self.last_drafted >= self.backoff * self.explore_every):
             self.trial[batch] = self.nodes, self.burst - 1   # drafting nearly pays: re-time it for a few steps
-            # and re-learn acceptance: the trees before weigh as much as one burst's (they are
+            # and re-learn acceptance: the trees before weigh as much as `burst` trees (they are
             # from the sequences that made drafting stop, and the batch has moved on since)
             self.observed = [min(w, self.burst) for w in self.observed]
             self.backoff = min(2 * self.backoff, 32)     # each retry that does not win waits longer
