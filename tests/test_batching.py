@@ -117,7 +117,7 @@ def test_cost_model_warms_up_then_probes_plain_decoding():
 
 def _timed(m: CostModel, iterations: dict) -> None:
     """Measured step times, as if each (batch, n) had run more than once."""
-    m.iterations, m.timed = dict(iterations), set(iterations)
+    m.iterations, m.samples = dict(iterations), {k: [v] for k, v in iterations.items()}
 
 
 def test_cost_model_re_times_the_choice_it_is_not_making():

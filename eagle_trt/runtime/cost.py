@@ -127,9 +127,8 @@ class CostModel:
     observed: list[float] = field(default_factory=list)   # weight behind gains[m]
     full_trees: int = 0                                    # verifications of all N nodes so far
     since_full: int = 0                                    # drafting steps since the last full tree
-    iterations: dict = field(default_factory=dict)         # (batch, n) -> mean seconds of a whole step
-    timed: set = field(default_factory=set)                # keys of `iterations` past their first step
     samples: dict = field(default_factory=dict)            # (batch, n) -> its last `recent` step times
+    iterations: dict = field(default_factory=dict)         # (batch, n) -> their median, once there is one
     recent: int = 9
     clock: int = 0                                         # choices made
     last_run: dict = field(default_factory=dict)           # (batch, n) -> clock when last chosen
@@ -167,15 +166,13 @@ class CostModel:
         shape runs slow (buffers re-planned), and a mean would carry that into the choice. The
         first step of a (batch, n) is not used at all: one-time allocations."""
         key = batch, n
-        if key not in self.iterations:
-            self.iterations[key] = seconds
+        if key not in self.samples:
             self.samples[key] = []
             return
-        kept = self.samples.setdefault(key, [])
+        kept = self.samples[key]
         kept.append(seconds)
         del kept[:-self.recent]
         self.iterations[key] = statistics.median(kept)
-        self.timed.add(key)
 
     def time_catch_up(self, rows: int, seconds: float) -> None:
         """The drafter encoding rows it skipped while the batch decoded plainly."""
@@ -190,11 +187,11 @@ class CostModel:
         """A step's time: measured where this (batch, n) ran, else the sum of its graph calls
         scaled by how much longer than their calls the measured drafting steps of this batch
         size took (host work)."""
-        if (batch, n) in self.timed:
+        if (batch, n) in self.iterations:
             return self.iterations[batch, n]
         accepted = self.accepted
-        ran = [(b, m) for b, m in self.timed if m > 0 and b == batch]
-        ran = ran or [(b, m) for b, m in self.timed if m > 0]   # no drafting at this size yet: any size's
+        ran = [(b, m) for b, m in self.iterations if m > 0 and b == batch]
+        ran = ran or [(b, m) for b, m in self.iterations if m > 0]   # no drafting at this size yet: any size's
         scale = (sum(self.iterations[k] / max(self._calls(*k, accepted), 1e-9) for k in ran) / len(ran)
                  if ran else 1.0)
         return self._calls(batch, n, accepted) * (scale if n else 1.0)
@@ -220,7 +217,7 @@ class CostModel:
         backlog may still generate, on average), at most `horizon`."""
         if self.full_trees < self.warmup or not (self.target.seen and self.draft.seen):
             return self.nodes
-        if (batch, 0) not in self.iterations:   # time plain decoding at this batch size once
+        if (batch, 0) not in self.samples:   # time plain decoding at this batch size once
             return 0
         accepted = self.accepted
         catch_up = self.catch_up(backlog) if backlog and self.catch_up.seen else 0.0
