@@ -25,7 +25,6 @@ import os
 import resource
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from .evaluate import depth_rates
 from .export import export_pipeline
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from .runtime.timing import OrtDecoding, decoding_threads
 from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 from .workloads import build
 
@@ -56,18 +56,6 @@ def parse_tree(text: str) -> TreeShape:
     return TreeShape(*(int(x) for x in parts)).validate()
 
 
-@contextmanager
-def torch_threads(n: int):
-    """The decoding loops' host work (argmax / sampling on logits) runs on one torch thread: idle
-    OpenMP workers spin after a parallel op and would take cores from ONNX Runtime's threads."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def drafter_graph(models, shape: TreeShape, folder: Path) -> Path:
     """The drafter-tree graph for `shape`, one folder per shape (exported once, then reused)."""
     sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
@@ -82,7 +70,7 @@ def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTa
     for shape in candidates:
         drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
         decoder = SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size)
-        with torch_threads(1):
+        with decoding_threads():
             decoder.generate(prompts[0], 8)
             runs = [decoder.generate(ids, max_new_tokens) for ids in prompts]
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
@@ -119,9 +107,9 @@ class HFBaseline:
         return (tokens if cut is None else tokens[: cut + 1]), seconds
 
 
-def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target: OrtTarget, target: OrtTarget,
-                 drafter: OrtDrafter, decoder: SpeculativeDecoder, eos: set[int], max_new_tokens: int, depth: int,
-                 torch_decoder: SpeculativeDecoder | None = None) -> dict:
+def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDecoding, max_new_tokens: int,
+                 depth: int, torch_decoder: SpeculativeDecoder | None = None) -> dict:
+    target, drafter, eos = ort.target, ort.drafter, ort.eos
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
     torch_identical = 0
     split = {"drafter_graph": 0.0, "target_graph": 0.0}
@@ -131,14 +119,12 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ar_target:
         hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
         rows["transformers"]["tokens"] += len(hf_tokens)
         rows["transformers"]["seconds"] += hf_s
-        with torch_threads(1):
-            ar = generate_autoregressive(ar_target, ids, max_new_tokens, eos)
+        ar = ort.autoregressive(ids, max_new_tokens)
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
         calls["autoregressive"] += ar.target_calls
         t0, d0 = target.graph_seconds, drafter.graph_seconds
-        with torch_threads(1):
-            sp = decoder.generate(ids, max_new_tokens)
+        sp = ort.speculative(ids, max_new_tokens)
         split["target_graph"] += target.graph_seconds - t0
         split["drafter_graph"] += drafter.graph_seconds - d0
         calls["drafter"] += sp.drafter_calls
@@ -308,32 +294,28 @@ def main(argv=None) -> int:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)
         tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads)
     shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
-    drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
     eos = models.eos_ids
-    decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
+    ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder), shape,
+                           models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
+                           threads, target=target)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
-    decoder.generate(warm, 8)
+    ort.warm_up(warm)
     torch_decoder = None
     if torch_models is not None:
         torch_decoder = SpeculativeDecoder(TorchTarget(torch_models.target.model),
                                            TorchDrafter(torch_models.drafter, shape), eos,
                                            models.target.config.vocab_size)
         torch_decoder.generate(warm, 8)
-    # Autoregressive decoding runs one session call after call, so it gets its own session of the
-    # same graph with spinning worker threads (its fastest setting); see make_session.
-    ar_target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads, spin=True)
-    generate_autoregressive(ar_target, warm, 8, eos)
     if hf is not None:
         hf.generate(warm, 8, eos)
-    results = [run_workload(w, prompts[w], hf, ar_target, target, drafter, decoder, eos, args.max_new_tokens,
-                            shape.depth, torch_decoder) for w in names]
+    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder) for w in names]
     concurrent = []
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
-        with torch_threads(1):
+        with decoding_threads():
             held_out = build(models.tokenizer, "mtbench", args.concurrency_prompts + 8)
-            concurrent = concurrency.measure(target, drafter, eos, models.target.config.vocab_size,
+            concurrent = concurrency.measure(target, ort.drafter, eos, models.target.config.vocab_size,
                                              held_out[:args.concurrency_prompts], args.max_new_tokens, levels,
                                              warm=held_out[args.concurrency_prompts:],
                                              repeats=args.concurrency_repeats)

@@ -3,6 +3,7 @@ runtime's own drafting, resumable training, the saved checkpoint in the runtime 
 the MT-bench guard. Fast tests use a tiny random target and synthetic token sequences."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -235,7 +236,11 @@ def trained(target, store, vocab, capture, tmp_path_factory):
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
 def test_ttt_loss_decreases(trained, variant):
     _, result, out = trained[variant]
-    assert result.finished and result.step == 40 and len(result.log) == 40
+    start, *steps = result.log        # step 0: where the starting weights stand, before any update
+    assert start["step"] == 0 and start["cpu_s"] == 0 and len(start["eval_acc"]) == 3 and "loss" not in start
+    assert result.finished and result.step == 40 and [e["step"] for e in steps] == list(range(1, 41))
+    assert all(b["cpu_s"] > a["cpu_s"] for a, b in zip(steps, steps[1:]))   # training CPU time, counted up
+    result = dataclasses.replace(result, log=steps)
     first = sum(e["loss"] for e in result.log[:5]) / 5
     last = sum(e["loss"] for e in result.log[-5:]) / 5
     assert last < first - 0.3, (first, last)
@@ -448,3 +453,53 @@ def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys)
     assert sorted(p.name for p in (tmp_path / "feat").iterdir()) == ["draft_vocab_64.safetensors"]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert main(["--target", str(folder), "--features", "online", "--features-only", "--device", "cpu"]) == 2
+
+
+def test_greedy_batch_features_equal_a_full_forward(target, capture):
+    """The features written on the side of generation (every token fed once, the last one
+    included) are those of one forward pass over prompt + answer, in the cache's fp16, and
+    asking for them does not change any answer."""
+    from eagle_trt.train.features import target_features
+    from eagle_trt.train.regenerate import greedy_batch
+    target.model.set_capture(capture)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
+    plain = greedy_batch(target.model, prompts, 16, set())
+    eos = int(torch.bincount(torch.tensor([t for a in plain for t in a[:6]]), minlength=VOCAB).argmax())
+    plain = greedy_batch(target.model, prompts, 16, {eos})
+    tokens, feats = greedy_batch(target.model, prompts, 16, {eos}, features=True)
+    assert tokens == plain and any(len(t) < 16 for t in tokens) and any(len(t) == 16 for t in tokens)
+    for p, t, f in zip(prompts, tokens, feats):
+        ref = target_features(target.model, p + t)
+        assert torch.equal(f["ids"], ref["ids"]) and torch.equal(f["argmax"], ref["argmax"])
+        for name in ("captured", "normed"):
+            assert f[name].dtype == torch.float16 and f[name].shape == ref[name].shape
+            torch.testing.assert_close(f[name].float(), ref[name].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_distillation_set_round_trip_and_features_reused(target, capture, tmp_path):
+    """A chunk file keeps ids, prompt / answer split and sample ids exactly; features written on
+    the side under the chunk's name are what extract_features finds done (nothing recomputed)."""
+    from eagle_trt.train.regenerate import (DistillError, DistillSet, chunk_name, greedy_batch, read_chunk,
+                                            write_chunk, write_feature_shard)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 7, 5)]
+    tokens, feats = greedy_batch(target.model, prompts, 10, set(), features=True)
+    items = [(f"p{i}", p, t) for i, (p, t) in enumerate(zip(prompts, tokens))]
+    path = tmp_path / "set" / f"{chunk_name(0)}.npz"
+    path.parent.mkdir()
+    write_chunk(path, items)
+    got = read_chunk(path)
+    assert [(s.sample_id, s.ids, s.loss_mask) for s in got] == [(sid, p + t, [0] * len(p) + [1] * len(t))
+                                                                 for sid, p, t in items]
+    (tmp_path / "feat").mkdir()
+    write_feature_shard(tmp_path / "feat" / f"{chunk_name(0)}.safetensors", target, got, feats)
+    logs = []
+    store = extract_features(target, [], tmp_path / "feat", capture, groups=[(chunk_name(0), got)], log=logs.append)
+    assert "0 tokens computed" in logs[-1] and len(store) == 3
+    assert torch.equal(store.get(1)["ids"], torch.tensor(items[1][1] + items[1][2], dtype=torch.int32))
+    with pytest.raises(DistillError, match="no distillation set here"):
+        DistillSet(tmp_path / "set")          # no provenance.json
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(DistillError, match="not a readable distillation chunk"):
+        read_chunk(path)

@@ -17,6 +17,7 @@ PROMPTS = [
     "Explain what a hash table is in two sentences.",
     "Write a short poem about autumn leaves.",
 ]
+WARM_UP = "Say hello."      # not measured
 
 
 def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object]:
@@ -26,23 +27,21 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     from transformers import AutoTokenizer
 
     from ..api import encode_prompt
-    from ..runtime.decoder import SpeculativeDecoder, generate_autoregressive
-    from ..runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    from ..runtime.timing import OrtDecoding
     resolved = json.loads(manifest.artifact("validate/resolved.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
-    target = OrtTarget(manifest.artifact("export/target.onnx"), resolved["target"]["max_context"])
-    drafter = OrtDrafter(manifest.artifact("export/drafter_tree.onnx"), cfg.tree.shape)
-    # the baseline runs alone, so it gets its fastest thread setting (spinning workers)
-    ar_target = OrtTarget(manifest.artifact("export/target.onnx"), resolved["target"]["max_context"], spin=True)
     eos = set(resolved["target"]["eos_ids"]) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    decoder = SpeculativeDecoder(target, drafter, eos, resolved["target"]["vocab_size"])
+    # the same sessions, thread settings and warm-up as python -m eagle_trt.bench (runtime/timing.py)
+    ort = OrtDecoding.open(manifest.artifact("export/target.onnx"), manifest.artifact("export/drafter_tree.onnx"),
+                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"])
+    ort.warm_up(encode_prompt(tokenizer, WARM_UP, chat=True))
     spec_n = ar_n = 0
     spec_s = ar_s = 0.0
     identical, first = True, []
     for prompt in PROMPTS:
         ids = encode_prompt(tokenizer, prompt, chat=True)
-        spec = decoder.generate(ids, max_new_tokens)
-        ar = generate_autoregressive(ar_target, ids, max_new_tokens, eos)
+        spec = ort.speculative(ids, max_new_tokens)
+        ar = ort.autoregressive(ids, max_new_tokens)
         same = spec.tokens == ar.tokens
         identical &= same
         first = first or spec.tokens
@@ -54,7 +53,7 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     sps, aps = spec_n / spec_s, ar_n / ar_s
     print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}); tree depth {cfg.tree.depth}, "
           f"top_k {cfg.tree.top_k}, total_tokens {cfg.tree.total_tokens}")
-    print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run): "
+    print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run, plain decoding in its fastest setting): "
           f"speed-up {sps / aps:.2f}x")
     print(f"all outputs token-identical to autoregressive greedy decoding: {identical}")
     return identical, first, tokenizer

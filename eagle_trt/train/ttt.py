@@ -300,19 +300,28 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
 
 def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: TrainConfig, out_dir: str | Path,
           resume: bool = False, stop_at: int | None = None, time_budget_s: float | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print, eval_store: FeatureStore | None = None,
+          start_cpu_s: float = 0.0) -> TrainResult:
     """Train in place. Saves `out_dir/train_state.pt` (model, optimizer, step, RNG, log)
     atomically every `save_every` steps and when stopping early (stop_at, time budget,
     Ctrl-C); `resume` continues from it. Batches are a function of (seed, step), so a
-    resumed run follows the same trajectory as an uninterrupted one."""
+    resumed run follows the same trajectory as an uninterrupted one.
+
+    Held-out evaluation: every sequence of `eval_store` when given (a fixed set, so curves of
+    runs on different data compare), else the last cfg.eval_sequences of `store`. Each log
+    entry carries `cpu_s`, the training CPU seconds (all threads, evaluation excluded) the
+    weights have seen, counted from `start_cpu_s` (what the starting weights had seen)."""
     cfg.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
-    held = cfg.eval_sequences
+    held = 0 if eval_store is not None else cfg.eval_sequences
     if len(store) - held < 1:
         raise TrainError(f"{store.folder}: {len(store)} cached sequences, {held} held out for eval: nothing to train on")
     train_ids, eval_ids = list(range(len(store) - held)), list(range(len(store) - held, len(store)))
+    if eval_store is not None:
+        eval_ids = list(range(len(eval_store)))
+    eval_on = eval_store if eval_store is not None else store
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     history: list[dict] = []
@@ -342,8 +351,18 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
         tmp.write_text(json.dumps({"config": asdict(cfg), "step": step, "log": history}, indent=1))
         os.replace(tmp, out / "train_log.json")
 
+    def run_eval(entry: dict) -> None:
+        entry.update(evaluate(drafter, eval_on, eval_ids, head_rows, cfg))
+        log(f"train: eval at step {step}: loss {' '.join(f'{x:.4f}' for x in entry['eval_loss'])}  "
+            f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}")
+
+    if not history and eval_ids:       # where the starting weights stand
+        history.append({"step": 0, "tokens_seen": 0, "cpu_s": start_cpu_s})
+        run_eval(history[-1])
+    cpu_s = history[-1].get("cpu_s", start_cpu_s) if history else start_cpu_s
     drafter.train()
     start, tokens, window = time.perf_counter(), 0, []
+    cpu_mark = time.process_time()
     stop = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
     first_step, updating = step, False
     try:
@@ -365,7 +384,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             step += 1
             tokens += batch.tokens
             seen = (history[-1].get("tokens_seen", 0) if history else 0) + batch.tokens
-            entry = {"step": step, "tokens_seen": seen, "loss": float(loss.detach()),
+            now = time.process_time()
+            cpu_s, cpu_mark = cpu_s + now - cpu_mark, now
+            entry = {"step": step, "tokens_seen": seen, "cpu_s": round(cpu_s, 2), "loss": float(loss.detach()),
                      "step_loss": [float(x.detach()) for x in o.losses],
                      "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
             history.append(entry)
@@ -381,10 +402,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
                 window = []
             if step % cfg.save_every == 0 or step == stop:
                 if eval_ids:
-                    entry.update(evaluate(drafter, store, eval_ids, head_rows, cfg))
-                    log(f"train: eval at step {step}: loss {' '.join(f'{x:.4f}' for x in entry['eval_loss'])}  "
-                        f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}")
+                    run_eval(entry)
                 save()
+                cpu_mark = time.process_time()    # evaluation and saving are not training time
     except KeyboardInterrupt:
         if not updating:        # interrupted mid-update: the last periodic checkpoint stands
             log(f"train: interrupted at step {step}; saving {state_path}")

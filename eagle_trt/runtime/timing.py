@@ -1,0 +1,74 @@
+"""How decoding is timed, in one place: every entry point that prints a speed (`make demo`,
+`python -m eagle_trt.bench`, `bench --concurrency`) builds its sessions and runs its decoding
+loops through here, so their ratios compare the same things under the same settings.
+
+- Baseline: plain autoregressive decoding on the same target graph, in its fastest setting: a
+  session of its own whose worker threads spin between calls (it runs one call after another).
+  Speculative decoding alternates two sessions (drafter, target), which must not spin (see
+  make_session).
+- Host work: the loops' tensor ops (argmax, sampling, masks) run on one PyTorch thread. At the
+  default thread count, PyTorch's OpenMP workers spin after each small op and take the cores
+  from ONNX Runtime's threads: that slowed plain decoding by a third in a process that had not
+  set threads, and speculative decoding hardly at all, so a demo that forgot it printed 1.48x
+  where the honest ratio was 1.09x. `decoding_threads()` is entered around every timed loop,
+  whatever the process set before.
+- Both are warmed up on a prompt that is not measured (first-call allocations stay out)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import TreeShape
+from .decoder import SpeculativeDecoder, generate_autoregressive
+from .onnxruntime_backend import OrtDrafter, OrtTarget
+
+HOST_THREADS = 1
+
+
+@contextmanager
+def decoding_threads():
+    """PyTorch at HOST_THREADS threads for the loop inside; the previous setting after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(HOST_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@dataclass
+class OrtDecoding:
+    """Speculative and plain decoding on the same ONNX graphs, each in its fastest session setting."""
+    target: OrtTarget          # verification; no spinning (alternates with the drafter)
+    drafter: OrtDrafter
+    plain: OrtTarget           # the baseline's own session of the same target graph, spinning
+    decoder: SpeculativeDecoder
+    eos: set[int]
+
+    @classmethod
+    def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
+             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None
+             ) -> OrtDecoding:
+        target = target or OrtTarget(target_graph, max_context, threads)
+        drafter = OrtDrafter(drafter_graph, shape, threads)
+        plain = OrtTarget(target_graph, max_context, threads, spin=True)
+        return cls(target, drafter, plain, SpeculativeDecoder(target, drafter, eos, vocab_size), eos)
+
+    def warm_up(self, ids: list[int], tokens: int = 8) -> None:
+        with decoding_threads():
+            self.decoder.generate(ids, tokens)
+            generate_autoregressive(self.plain, ids, tokens, self.eos)
+
+    def speculative(self, ids: list[int], max_new_tokens: int):
+        with decoding_threads():
+            return self.decoder.generate(ids, max_new_tokens)
+
+    def autoregressive(self, ids: list[int], max_new_tokens: int):
+        with decoding_threads():
+            return generate_autoregressive(self.plain, ids, max_new_tokens, self.eos)
+
+
+__all__ = ["HOST_THREADS", "OrtDecoding", "decoding_threads"]
