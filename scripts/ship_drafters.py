@@ -19,7 +19,8 @@ def compact_log(run: Path, every: int = 50) -> dict:
     if not log.get("finished"):
         raise SystemExit(f"{run / 'train_log.json'}: the run has not finished (step {log.get('step')})")
     entries = log.pop("log")
-    log["log_every_50"] = [e for e in entries if e["step"] % every == 0]
+    # every evaluated entry (the held-out curve) and every 50th step's training numbers
+    log["log_every_50"] = [e for e in entries if e["step"] % every == 0 or "eval_acc" in e]
     last = next((e for e in reversed(entries) if "eval_acc" in e), None)
     if last is not None:
         log["final_eval"] = {k: last[k] for k in ("step", "eval_loss", "eval_acc")}
@@ -32,6 +33,9 @@ def ship(run: Path, dest: Path, note: str | None) -> None:
         if not (src / name).is_file():
             raise SystemExit(f"{src / name}: missing; finish the run first (python -m eagle_trt.train ... --resume)")
     log = compact_log(run)
+    start = log.get("init_from", {}).get("path")
+    if start and (Path(start) / "train_log.json").is_file():    # the lineage: the starting weights' own runs
+        log["previous"] = json.loads((Path(start) / "train_log.json").read_text())
     if note:
         log["note"] = note
     tmp = dest.with_name(dest.name + ".tmp")

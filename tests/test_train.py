@@ -193,6 +193,28 @@ def test_ttt_equals_runtime_chain_drafting(target, store, vocab, capture, varian
                 torch.testing.assert_close(o.logits[k][b, j], ref[k], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_anchored_ttt_equals_the_full_unroll_at_its_anchors(target, store, vocab, capture, variant):
+    """Unrolling steps 1.. from a few positions only gives, at those positions, exactly the full
+    unroll's logits: each chain sees step-0 rows and its own rows, nothing of other chains."""
+    from eagle_trt.train.ttt import sample_anchors
+    drafter = make_drafter(target, vocab, capture, variant, seed=1)
+    batch = collate([store.get(2), store.get(5), store.get(7)])
+    anchors = sample_anchors(batch, 0.25, seed=0, step=3)
+    n = batch.ids.shape[1] - 1
+    assert anchors.shape == (3, -(-n // 4)) and torch.all(anchors[:, 1:] > anchors[:, :-1])
+    assert bool(batch.pred_mask.gather(1, anchors).all())      # predicted positions are drawn first
+    assert torch.equal(anchors, sample_anchors(batch, 0.25, seed=0, step=3)) and sample_anchors(batch, 1.0, 0, 3) is None
+    with torch.no_grad():
+        full = ttt_forward(drafter, batch, head_rows(target, vocab), 3, keep_logits=True)
+        part = ttt_forward(drafter, batch, head_rows(target, vocab), 3, keep_logits=True, anchors=anchors)
+    torch.testing.assert_close(part.logits[0], full.logits[0])
+    for k in (1, 2):
+        picked = full.logits[k].gather(1, anchors[..., None].expand(-1, -1, full.logits[k].shape[-1]))
+        torch.testing.assert_close(part.logits[k], picked, atol=1e-5, rtol=1e-5)
+    assert 0 < part.counts[1] <= anchors.numel() and part.counts[0] == full.counts[0]
+
+
 def test_feedback_is_prenorm_for_eagle3_and_postnorm_for_31(target, store, vocab, capture):
     """Same weights, only the feedback flag swapped: step 0 is unchanged, later steps change."""
     batch = collate([store.get(0), store.get(1)])

@@ -73,6 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init", choices=INITS, default="noise",
                    help="decoder-layer start: noise, or target-layer (a copy of the target's layer --init-layer)")
     p.add_argument("--init-layer", type=int, default=-1, help="target layer for --init target-layer (-1: the last)")
+    p.add_argument("--ttt-share", type=float, default=1.0,
+                   help="share of positions unrolled past TTT step 0 (anchored TTT: the unroll is most of a step's "
+                        "cost; 1 = every position)")
+    p.add_argument("--freeze-head", action="store_true",
+                   help="keep lm_head at the target's rows of the draft vocabulary (no head gradient)")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -82,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-sequences", type=int, default=8, help="cached sequences held out for evaluation")
     p.add_argument("--time-budget-min", type=float, default=None, help="save and stop after this many minutes")
+    p.add_argument("--schedule", choices=("steps", "budget"), default="steps",
+                   help="cosine learning-rate decay over --steps, or over --time-budget-min (steps then only caps)")
     p.add_argument("--save-dtype", choices=tuple(DTYPES), default="bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add_device_options(p, dtype=False)
@@ -91,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--features-only", action="store_true", help="compute the feature cache and stop")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     args = p.parse_args(argv)
+    if args.schedule == "budget" and not args.time_budget_min:
+        p.error("--schedule budget needs --time-budget-min")
     if args.out is None and not args.features_only:
         p.error("--out is required unless --features-only is given")
     return args
@@ -262,16 +271,18 @@ def main(argv=None) -> int:
     amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
+                      ttt_share=args.ttt_share, freeze_head=args.freeze_head,
                       log_every=args.log_every, save_every=args.save_every, eval_sequences=args.eval_sequences)
     info["device"] = {"device": str(device), "autocast": amp,
                       "name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"train: {args.variant} drafter on {device}, autocast {amp}")
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     result = train(drafter, store, head_rows, cfg, args.out, resume=args.resume, time_budget_s=budget,
-                   eval_store=eval_store, start_cpu_s=start_cpu_s)
+                   eval_store=eval_store, start_cpu_s=start_cpu_s,
+                   schedule_over_budget=args.schedule == "budget")
 
     final = None
-    if result.finished:
+    if result.finished or args.schedule == "budget":     # a budget-scheduled run ends at its budget
         export = copy.deepcopy(drafter).to("cpu", DTYPES[args.save_dtype])
         final = save_drafter(export, args.out / "drafter")
         size = (final / "model.safetensors").stat().st_size
@@ -282,7 +293,7 @@ def main(argv=None) -> int:
     plain = lambda v: [plain(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v  # noqa: E731
     log = {"args": {k: plain(v) for k, v in vars(args).items()},
            "config": asdict(cfg), "capture": {"layer_ids": list(capture.layer_ids), "convention": capture.convention},
-           "step": result.step, "finished": result.finished, "seconds_this_session": time.perf_counter() - t0,
+           "step": result.step, "finished": result.finished or args.schedule == "budget", "seconds_this_session": time.perf_counter() - t0,
            **info, "log": result.log}
     atomic_json(args.out / "train_log.json", log)
     return 0

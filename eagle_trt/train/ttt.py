@@ -61,6 +61,8 @@ class TrainConfig:
     save_every: int = 100
     eval_sequences: int = 0          # the last N cached sequences are held out and evaluated at saves
     mask_out_of_vocab: bool = True   # skip positions whose target top-1 is not in the draft vocabulary
+    ttt_share: float = 1.0           # share of positions unrolled past step 0 (anchored TTT; 1 = all)
+    freeze_head: bool = False        # lm_head stays the target's rows of the draft vocabulary
 
     def validate(self) -> TrainConfig:
         if self.variant not in ("eagle3", "eagle3.1"):
@@ -70,13 +72,15 @@ class TrainConfig:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise TrainError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.ttt_share <= 1:
+            raise TrainError(f"ttt_share must be in (0, 1], got {self.ttt_share}")
         if self.autocast not in ("none", "bf16"):
             raise TrainError(f"autocast must be 'none' or 'bf16', got {self.autocast!r}")
         return self
 
     # Options that change the trajectory: a resumed run must keep them.
     TRAJECTORY_KEYS = ("variant", "ttt_steps", "step_decay", "batch_size", "seed", "eval_sequences",
-                       "mask_out_of_vocab", "weight_decay")
+                       "mask_out_of_vocab", "weight_decay", "ttt_share", "freeze_head")
 
 
 # ----------------------------------------------------------------------------- model setup
@@ -197,8 +201,16 @@ class TTTOutput:
         return sum(decay ** k * l for k, l in enumerate(self.losses))
 
 
+def _rows(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B, n, ...] at rows idx [B, m] -> [B, m, ...]."""
+    return torch.gather(x, 1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
 def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: int,
-                mask_out_of_vocab: bool = True, keep_logits: bool = False) -> TTTOutput:
+                mask_out_of_vocab: bool = True, keep_logits: bool = False, anchors: Tensor | None = None) -> TTTOutput:
+    """anchors [B, m] (sorted indices j < T-1): steps 1.. are unrolled from these positions only
+    ("anchored" TTT): each chain sees only step-0 rows and its own rows, so a chain's numbers are
+    those of the full unroll at j, for a fraction of the unroll's cost. Step 0 covers every j."""
     B, T = batch.ids.shape
     n = T - 1                                    # drafter indices j = 0..T-2
     if n < 1:
@@ -213,36 +225,67 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
     hidden = drafter.project(batch.captured[:, :n].to(dtype))
     positions = torch.arange(n, device=dev)[None].expand(B, n)
     causal, eye = causal_mask(n, 0, dev)[0], torch.eye(n, dtype=torch.bool, device=dev)
+    if anchors is not None:
+        anchors = anchors.to(dev)
+        m = anchors.shape[1]
+        anchor_causal, anchor_eye = causal[anchors], torch.eye(m, dtype=torch.bool, device=dev).expand(B, m, m)
     past_k, past_v = drafter.empty_past(B)
     out = TTTOutput([], [], [])
     for k in range(steps):
         sl = slice(1 + k, 1 + k + n)             # position p = j + 1 + k
-        mask = torch.cat([causal] + [eye] * k, dim=1)[None].expand(B, n, (k + 1) * n)
-        step = drafter(hidden, ids[:, sl], positions + k, mask, past_k, past_v)
+        if k == 0 or anchors is None:
+            at = lambda x: x[:, sl]                                      # noqa: E731
+            mask = torch.cat([causal] + [eye] * k, dim=1)[None].expand(B, n, (k + 1) * n)
+            pos = positions + k
+        else:
+            at = lambda x: _rows(x[:, sl], anchors)                      # noqa: E731
+            mask = torch.cat([anchor_causal] + [anchor_eye] * k, dim=2)
+            pos = anchors + k
+        step = drafter(hidden, at(ids), pos, mask, past_k, past_v)
         past_k, past_v = torch.cat((past_k, step.new_k), 1), torch.cat((past_v, step.new_v), 1)
         logp = torch.log_softmax(step.logits.float(), dim=-1)
-        ce = -(target_p[:, sl] * logp).sum(-1)                           # [B, n]
-        counted = pred_mask[:, sl]
-        valid = counted & t2d[argmax[:, sl]] if mask_out_of_vocab else counted
+        ce = -(at(target_p) * logp).sum(-1)                               # [B, rows]
+        counted = at(pred_mask)
+        valid = counted & t2d[at(argmax)] if mask_out_of_vocab else counted
         out.losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
         with torch.no_grad():
-            hit = drafter.to_target_ids(step.logits.argmax(-1)) == argmax[:, sl]
+            hit = drafter.to_target_ids(step.logits.argmax(-1)) == at(argmax)
             c = int(counted.sum())
             out.accs.append(float((hit & counted).sum()) / max(c, 1))
             out.counts.append(c)
         if keep_logits:
             out.logits.append(step.logits)
         hidden = step.feedback                   # z (EAGLE 3.1) or h2 (EAGLE-3), same index j
+        if k == 0 and anchors is not None:
+            hidden = _rows(hidden, anchors)
     return out
+
+
+def sample_anchors(batch: Batch, share: float, seed: int, step: int) -> Tensor | None:
+    """ceil(share * n) sorted positions per sequence for anchored TTT, drawn among each
+    sequence's predicted (assistant) positions first; a function of (seed, step), so a resumed
+    run draws the same ones. None when share >= 1 (unroll everywhere)."""
+    if share >= 1:
+        return None
+    B, T = batch.ids.shape
+    n = T - 1
+    m = max(1, math.ceil(share * n))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)
+    # random keys; predicted positions always rank before padding and prompt positions
+    keys = torch.rand(B, n, generator=gen) + (~batch.pred_mask[:, :n].cpu()).float()
+    return torch.sort(torch.topk(keys, m, dim=1, largest=False).indices, dim=1).values
 
 
 # ----------------------------------------------------------------------------- training loop
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
+    """Linear warm-up, then cosine decay over the steps, or over `progress` (0..1, e.g. the share
+    of a time budget spent) when given."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    if progress is None:
+        progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min(max(progress, 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -301,7 +344,7 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
 def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: TrainConfig, out_dir: str | Path,
           resume: bool = False, stop_at: int | None = None, time_budget_s: float | None = None,
           log: Callable[[str], None] = print, eval_store: FeatureStore | None = None,
-          start_cpu_s: float = 0.0) -> TrainResult:
+          start_cpu_s: float = 0.0, schedule_over_budget: bool = False) -> TrainResult:
     """Train in place. Saves `out_dir/train_state.pt` (model, optimizer, step, RNG, log)
     atomically every `save_every` steps and when stopping early (stop_at, time budget,
     Ctrl-C); `resume` continues from it. Batches are a function of (seed, step), so a
@@ -310,7 +353,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     Held-out evaluation: every sequence of `eval_store` when given (a fixed set, so curves of
     runs on different data compare), else the last cfg.eval_sequences of `store`. Each log
     entry carries `cpu_s`, the training CPU seconds (all threads, evaluation excluded) the
-    weights have seen, counted from `start_cpu_s` (what the starting weights had seen)."""
+    weights have seen, counted from `start_cpu_s` (what the starting weights had seen).
+    schedule_over_budget: the cosine decay runs over `time_budget_s` of this call's wall time
+    (cfg.steps stays a cap), so a run given a few hours ends at the low learning rate."""
     cfg.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,6 +367,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     if eval_store is not None:
         eval_ids = list(range(len(eval_store)))
     eval_on = eval_store if eval_store is not None else store
+    drafter.lm_head.weight.requires_grad_(not cfg.freeze_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     history: list[dict] = []
@@ -329,7 +375,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     if resume and state_path.is_file():
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         for key in TrainConfig.TRAJECTORY_KEYS:
-            if state["config"].get(key) != getattr(cfg, key):
+            if state["config"].get(key, getattr(TrainConfig(), key)) != getattr(cfg, key):
                 raise TrainError(f"{state_path}: saved run has {key}={state['config'].get(key)!r}, this run "
                                  f"{getattr(cfg, key)!r}; resume with the same options or use another --out")
         if not torch.equal(state["model"]["d2t"], drafter.d2t):
@@ -371,10 +417,12 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
                 log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
                 break
             batch = collate([store.get(i) for i in batch_indices(step, train_ids, cfg)])
+            spent = (time.perf_counter() - start) / time_budget_s if schedule_over_budget and time_budget_s else None
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
+                g["lr"] = lr_at(step, cfg, spent)
             with autocast(drafter, cfg):
-                o = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
+                o = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab,
+                                anchors=sample_anchors(batch, cfg.ttt_share, cfg.seed, step))
             loss = o.total(cfg.step_decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -417,4 +465,4 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
 
 
 __all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate",
-           "lr_at", "new_drafter", "train", "trainable_state", "ttt_forward", "autocast", "INITS", "init_from_target_layer"]
+           "lr_at", "new_drafter", "sample_anchors", "train", "trainable_state", "ttt_forward", "autocast", "INITS", "init_from_target_layer"]

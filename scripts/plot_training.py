@@ -1,0 +1,61 @@
+"""Held-out agreement per TTT step against training CPU hours, for drafters' train logs.
+
+    python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \\
+        --out docs/results/training/agreement.png
+
+Reads each folder's train_log.json (a shipped compact log or a run's full log): every entry with
+`eval_acc` and `cpu_s` (training CPU seconds, all threads, evaluation excluded, counted from the
+weights' first step) is a point. Agreement = the drafter's top-1 equals the target's greedy token
+at that TTT step (step 1 = the first draft token) on the held-out set named in the log. Prints
+the table it plots."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def curve(folder: Path) -> tuple[str, list[tuple[float, list[float]]], str]:
+    log = json.loads((folder / "train_log.json").read_text())
+    entries = log.get("log") or log.get("log_every_50") or []
+    points = [(e["cpu_s"] / 3600, e["eval_acc"]) for e in entries if "eval_acc" in e and "cpu_s" in e]
+    held_out = log.get("eval", {}).get("distill", "the last training sequences")
+    return folder.name, points, held_out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folders", type=Path, nargs="+")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = ["-", "--", ":", "-."]
+    for n, folder in enumerate(args.folders):
+        name, points, held_out = curve(folder)
+        if not points:
+            print(f"{folder}: no evaluated entries with cpu_s", file=sys.stderr)
+            continue
+        print(f"{name} (held out: {held_out})")
+        print("  CPU h   " + "  ".join(f"step {k + 1}" for k in range(len(points[0][1]))))
+        for hours, acc in points:
+            print(f"  {hours:6.2f}  " + "  ".join(f"{a:6.3f}" for a in acc))
+        for k in range(len(points[0][1])):
+            ax.plot([h for h, _ in points], [a[k] for _, a in points], styles[n % len(styles)], color=f"C{k}",
+                    label=f"{name}, TTT step {k + 1}")
+    ax.set_xlabel("training CPU hours (all threads; evaluation excluded)")
+    ax.set_ylabel("held-out top-1 agreement with the target")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
