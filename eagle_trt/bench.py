@@ -318,7 +318,7 @@ def main(argv=None) -> int:
             concurrent = concurrency.measure(target, ort.drafter, eos, models.target.config.vocab_size,
                                              held_out[:args.concurrency_prompts], args.max_new_tokens, levels,
                                              warm=held_out[args.concurrency_prompts:],
-                                             repeats=args.concurrency_repeats)
+                                             repeats=args.concurrency_repeats, plain_target=ort.plain)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "transformers_device": f"{device.type} {dtype}",

@@ -61,11 +61,12 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
 
 
 def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens,
-              warm: list[list[int]]) -> tuple[list[GenerationResult], float | None, float]:
+              warm: list[list[int]], plain_target=None) -> tuple[list[GenerationResult], float | None, float]:
     """The results, the mean draft nodes verified per iteration (None: per-request mode) and the
     seconds of the timed run. A batched decoder first decodes `warm` (held-out prompts, 32
     tokens, same batch size), as a server that has been running would have: the cost model's
-    warm-up verifications and its first timings stay out of the measurement."""
+    warm-up verifications and its first timings stay out of the measurement. plain_target: the
+    session plain decoding runs on (its fastest setting, runtime/timing.py); default `target`."""
     if mode == "speculative-per-request":
         start = time.perf_counter()
         results = per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
@@ -75,7 +76,7 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
         decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
     else:
-        decoder = SpeculativeDecoder(target, None, eos, vocab_size)
+        decoder = SpeculativeDecoder(plain_target or target, None, eos, vocab_size)
     decoder.generate_batch([Request(p, 32) for p in warm], max_batch=streams)
     decoder.verified.clear()
     start = time.perf_counter()
@@ -84,7 +85,7 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
-            warm: list[list[int]], log=None, repeats: int = 1) -> list[dict]:
+            warm: list[list[int]], log=None, repeats: int = 1, plain_target=None) -> list[dict]:
     """repeats > 1: every (level, mode) runs that many times, the modes' order rotating per
     repeat so drift in the machine's speed falls on each alike; tokens/s is the median run's,
     latencies are pooled over the runs."""
@@ -96,7 +97,8 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
         for r in range(repeats):
             for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                 results, nodes, seconds = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
-                                                    max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)])
+                                                    max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)],
+                                                    plain_target)
                 runs[mode].append((results, nodes, seconds))
                 print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
                       f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s", file=log, flush=True)

@@ -1,37 +1,51 @@
 #!/usr/bin/env bash
-# Reproduces the shipped SmolLM2 drafters (eagle_trt/drafters/smollm2-eagle3.1 and -eagle3):
-# the same data, budget and seed for both variants. Every stage is resumable: run the script
-# again after an interruption and it continues where it stopped.
+# One leg of the SmolLM2 drafter training campaign, for any fresh machine with 2 cores: grow the
+# committed distillation set, then continue both shipped drafters (EAGLE 3.1 and EAGLE-3) with the
+# same data, CPU time and seed, one core each, and ship them. Each leg adds to what the last
+# one left in the repository (data/distill/, eagle_trt/drafters/); nothing else must survive.
 #
-#   bash scripts/train_smollm2_drafters.sh            # ~2.6 h on 2 CPU cores (regen ~25 min, features ~30 min, training ~100 min)
-#   STEPS=1600 bash scripts/train_smollm2_drafters.sh # continue both runs to a later step count
+#   GEN_MIN=45 TRAIN_MIN=55 bash scripts/train_smollm2_drafters.sh
+#   PROMPTS=20480 GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh   # only more data
+#
+# Stages (each resumable; run the script again after an interruption):
+# 1. python -m eagle_trt.train.regenerate, two workers: the target's greedy answers to ShareGPT
+#    first turns, chunk by chunk, into data/distill/smollm2-sharegpt (commit it), for GEN_MIN
+#    minutes; the held-out set data/distill/smollm2-val once.
+# 2. python -m eagle_trt.train for both variants from the shipped weights (--init-from), cosine
+#    decay over TRAIN_MIN minutes (--schedule budget), eval on the held-out set.
+# 3. scripts/ship_drafters.py into eagle_trt/drafters/ (compact log with the lineage).
 set -euo pipefail
 CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
-STEPS=${STEPS:-800}
-REGEN=$CACHE/regen/smollm2-greedy.json
-mkdir -p "$CACHE/runs"
+PROMPTS=${PROMPTS:-10240}
+GEN_MIN=${GEN_MIN:-45}
+TRAIN_MIN=${TRAIN_MIN:-55}
+LR=${LR:-6e-4}
+RUN=$CACHE/runs/leg-$(date +%Y%m%d-%H%M)
+mkdir -p "$RUN"
 
-# 1. The target's own greedy answers to 672 ShareGPT first turns (MT-bench guarded).
-[ -f "$REGEN" ] || python -m eagle_trt.train.regenerate --target smollm2 --out "$REGEN" \
-    --max-prompts 672 --max-new-tokens 192 --batch-size 48 --threads 2
-
-# 2. Target features, computed once and shared by both runs: the regenerated answers, and 400
-#    original ShareGPT conversations (ChatGPT answers, multi-turn).
-python -m eagle_trt.train --target smollm2 --features-only --threads 2 \
-    --data "$REGEN" --max-samples 1200 --features-dir "$CACHE/feat-smollm2-regen"
-python -m eagle_trt.train --target smollm2 --features-only --threads 2 \
-    --max-samples 400 --features-dir "$CACHE/feat-smollm2"
-
-# 3. Both variants side by side, one core each, identical options apart from --variant.
+[ -f data/distill/smollm2-val/chunk_00000.npz ] || python -m eagle_trt.train.regenerate --out data/distill/smollm2-val \
+    --split val --max-prompts 64 --threads 2
+if [ "$GEN_MIN" != 0 ]; then
+    for w in 0 1; do
+        python -m eagle_trt.train.regenerate --out data/distill/smollm2-sharegpt --max-prompts "$PROMPTS" \
+            --workers 2 --worker $w --threads 1 --time-budget-min "$GEN_MIN" > "$RUN/regenerate-$w.log" 2>&1 &
+    done
+    wait
+fi
+[ "$TRAIN_MIN" != 0 ] || exit 0
+# target features of every chunk (those written on the side by regenerate on this machine are reused)
+python -m eagle_trt.train --target smollm2 --distill data/distill/smollm2-sharegpt --features-only --threads 2
 for variant in eagle3.1 eagle3; do
-    python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$CACHE/runs/smollm2-$variant" \
-        --data "$REGEN" --max-samples 1200 --features-dir "$CACHE/feat-smollm2-regen" \
-        --extra-features-dir "$CACHE/feat-smollm2" --draft-vocab 8192 --steps "$STEPS" --batch-size 4 \
-        --lr 1e-3 --warmup-steps 20 --ttt-steps 3 --autocast none --seed 0 --eval-sequences 16 --save-every 50 \
-        --threads 1 --resume > "$CACHE/runs/smollm2-$variant.log" 2>&1 &
+    python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
+        --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val \
+        --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps 20 \
+        --ttt-steps 3 --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
+        --time-budget-min "$TRAIN_MIN" --schedule budget > "$RUN/$variant.log" 2>&1 &
 done
 wait
-echo "drafters: $CACHE/runs/smollm2-eagle3.1/drafter $CACHE/runs/smollm2-eagle3/drafter"
-# 4. Into the package, with a compact train log:
-#    python scripts/ship_drafters.py "$CACHE/runs/smollm2-eagle3.1" eagle_trt/drafters/smollm2-eagle3.1
-#    python scripts/ship_drafters.py "$CACHE/runs/smollm2-eagle3" eagle_trt/drafters/smollm2-eagle3
+for variant in eagle3.1 eagle3; do
+    python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core (scripts/train_smollm2_drafters.sh)"
+done
+python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
+    --out docs/results/training/agreement.png

@@ -139,3 +139,19 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     assert bench.main(["--drafter", str(path), "--workloads", "", "--concurrency", "1", "--concurrency-repeats", "0",
                        "--out", str(tmp_path / "d")]) == 2
     assert "--concurrency-repeats 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_decoding_threads_hold_inside_every_timed_loop_and_restore_after():
+    """The one thread setting every timing entry point (demo, bench, bench --concurrency) decodes
+    under, whatever the process had set before (runtime/timing.py)."""
+    import torch
+
+    from eagle_trt.runtime.timing import HOST_THREADS, decoding_threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with decoding_threads():
+            assert torch.get_num_threads() == HOST_THREADS
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -69,7 +69,7 @@ def shard_fingerprint(samples: list[Sample]) -> str:
 
 
 def atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
 
@@ -163,7 +163,7 @@ def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str |
                 log(f"features: shard {n + 1}/{len(groups)}  {done_tokens + in_shard}/{total_tokens} tokens  "
                     f"{rate:.0f} tok/s  eta {left / max(rate, 1e-9) / 60:.1f} min")
         meta = {"format": FORMAT, "fingerprint": fp, "sample_ids": json.dumps([s.sample_id for s in group])}
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")     # two runs may fill one cache at once
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
         done_tokens += entry["tokens"]

@@ -458,7 +458,9 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             log(f"train: interrupted at step {step}; saving {state_path}")
             save()
         raise
-    if step < stop:   # stopped by the time budget
+    if step < stop:   # stopped by the time budget: where the weights stand, then save
+        if eval_ids and history and "eval_acc" not in history[-1] and history[-1]["step"] == step:
+            run_eval(history[-1])
         save()
     drafter.eval()
     return TrainResult(history, step, step >= cfg.steps)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What makes a training CPU minute count: runs of equal CPU time from the same shipped EAGLE 3.1
+# weights, on the same snapshot of the committed distillation set, one thread each, one
+# change per run; held-out agreement per TTT step on data/distill/smollm2-val at the end.
+#
+#   BUDGET=8 bash scripts/cpu_minute_ablation.sh          # 8 min per run, runs one after another
+#   RUNS="base share25" BUDGET=20 bash scripts/cpu_minute_ablation.sh
+set -euo pipefail
+OUT=${OUT:-${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}/ablation-cpu-minute}
+BUDGET=${BUDGET:-8}
+RUNS=${RUNS:-"base share25 freezehead"}
+SNAP="$OUT/snapshot/smollm2-sharegpt"          # the same chunks for every run, whatever is added meanwhile
+if [ ! -d "$SNAP" ]; then
+    mkdir -p "$SNAP"
+    cp data/distill/smollm2-sharegpt/provenance.json "$SNAP/"
+    for f in data/distill/smollm2-sharegpt/chunk_*.npz; do ln -s "$(realpath "$f")" "$SNAP/"; done
+fi
+COMMON=(--target smollm2 --variant eagle3.1 --distill "$SNAP" --eval-distill data/distill/smollm2-val
+        --init-from eagle_trt/drafters/smollm2-eagle3.1 --batch-size 4 --lr 6e-4 --warmup-steps 20 --ttt-steps 3
+        --seed 0 --steps 100000 --save-every 100000 --log-every 20 --threads 1
+        --time-budget-min "$BUDGET" --schedule budget)
+declare -A EXTRA=([base]="" [share25]="--ttt-share 0.25" [freezehead]="--freeze-head" [share50]="--ttt-share 0.5"
+                  [batch8]="--batch-size 8" [lr1e3]="--lr 1e-3")
+for run in $RUNS; do
+    # shellcheck disable=SC2086
+    python -m eagle_trt.train "${COMMON[@]}" ${EXTRA[$run]} --out "$OUT/$run" > "$OUT/$run.log" 2>&1
+done
+python scripts/plot_training.py $(for r in $RUNS; do echo "$OUT/$r"; done) --out "$OUT/agreement.png"
