@@ -20,6 +20,7 @@ COMMON=(--target smollm2 --variant eagle3.1 --distill "$SNAP" --eval-distill dat
         --seed 0 --steps 100000 --save-every 100000 --log-every 20 --threads 1
         --time-budget-min "$BUDGET" --schedule budget)
 declare -A EXTRA=([base]="" [share25]="--ttt-share 0.25" [freezehead]="--freeze-head" [share50]="--ttt-share 0.5"
+                  [share25-freezehead]="--ttt-share 0.25 --freeze-head"
                   [batch8]="--batch-size 8" [lr1e3]="--lr 1e-3")
 for run in $RUNS; do
     # shellcheck disable=SC2086

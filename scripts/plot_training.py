@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--json", type=Path, default=None, help="also write the points (and each run's options) here")
     args = p.parse_args(argv)
+    table = {}
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -39,6 +41,12 @@ def main(argv=None) -> int:
         if not points:
             print(f"{folder}: no evaluated entries with cpu_s", file=sys.stderr)
             continue
+        log = json.loads((folder / "train_log.json").read_text())
+        last = (log.get("log") or log.get("log_every_50"))[-1]
+        table[name] = {"held_out": held_out, "points": [{"cpu_hours": round(h, 4), "eval_acc": a} for h, a in points],
+                       "steps": log.get("step"), "tokens_seen": last.get("tokens_seen"),
+                       "options": {k: log.get("config", {}).get(k) for k in
+                                   ("ttt_steps", "ttt_share", "freeze_head", "batch_size", "lr", "autocast")}}
         print(f"{name} (held out: {held_out})")
         print("  CPU h   " + "  ".join(f"step {k + 1}" for k in range(len(points[0][1]))))
         for hours, acc in points:
@@ -54,6 +62,9 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -12,7 +12,8 @@
 #    first turns, chunk by chunk, into data/distill/smollm2-sharegpt (commit it), for GEN_MIN
 #    minutes; the held-out set data/distill/smollm2-val once.
 # 2. python -m eagle_trt.train for both variants from the shipped weights (--init-from), cosine
-#    decay over TRAIN_MIN minutes (--schedule budget), eval on the held-out set.
+#    decay over TRAIN_MIN minutes (--schedule budget), anchored TTT and a frozen head (what
+#    scripts/cpu_minute_ablation.sh found to make a CPU minute count), eval on the held-out set.
 # 3. scripts/ship_drafters.py into eagle_trt/drafters/ (compact log with the lineage).
 set -euo pipefail
 CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
@@ -34,12 +35,13 @@ if [ "$GEN_MIN" != 0 ]; then
 fi
 [ "$TRAIN_MIN" != 0 ] || exit 0
 # target features of every chunk (those written on the side by regenerate on this machine are reused)
-python -m eagle_trt.train --target smollm2 --distill data/distill/smollm2-sharegpt --features-only --threads 2
+python -m eagle_trt.train --target smollm2 --distill data/distill/smollm2-sharegpt \
+    --eval-distill data/distill/smollm2-val --features-only --threads 2
 for variant in eagle3.1 eagle3; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
         --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps 20 \
-        --ttt-steps 3 --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
+        --ttt-steps 3 --ttt-share 0.25 --freeze-head --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
         --time-budget-min "$TRAIN_MIN" --schedule budget > "$RUN/$variant.log" 2>&1 &
 done
 wait
