@@ -87,6 +87,37 @@ def test_onnxruntime_decoder_equals_torch_decoder(exported):
         assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
 
 
+def test_onnxruntime_target_keeps_its_bindings_and_returns_fresh_outputs(exported):
+    """The past / new-KV bindings are made once per call shape and reused; outputs a caller holds
+    are not overwritten by the next call, and a reallocated cache gets new bindings."""
+    target, _, graphs = exported
+    ort_target, ref = OrtTarget(graphs["target"], 512), TorchTarget(target.model)
+    ids = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(7))
+    eye = lambda n: torch.eye(n, dtype=torch.bool)[None]           # noqa: E731 - one-row steps see themselves
+    for backend in (ort_target, ref):
+        backend.reset()
+        backend.add_sequence()
+        backend.forward(ids[:, :5], torch.arange(5)[None], torch.ones(1, 5, 5).tril().bool())
+        backend.commit([list(range(5))])
+    held = []
+    for t in range(5, 40):      # one token at a time: one shape while the cache stays at 64 rows
+        step = (ids[:, t:t + 1], torch.tensor([[t]]), eye(1))
+        logits, captured = ort_target.forward(*step)
+        want, _ = ref.forward(*step)
+        held.append((logits, logits.clone()))
+        assert torch.allclose(logits, want, atol=1e-4)
+        for backend in (ort_target, ref):
+            backend.commit([[0]])
+    assert all(torch.equal(a, b) for a, b in held)                 # earlier outputs untouched
+    assert len(ort_target.bindings.entries) == 2                    # the prefill's shape and the step's
+    before = [io for io, _ in ort_target.bindings.entries.values()]
+    long = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
+    ort_target.forward(long, 40 + torch.arange(40)[None], torch.ones(1, 40, 40).tril().bool())   # grows the cache
+    assert ort_target.cache.capacity == 128
+    assert len(ort_target.bindings.entries) == 1                    # bound to the old cache: dropped
+    assert all(io not in before for io, _ in ort_target.bindings.entries.values())
+
+
 def test_drafter_graph_rejects_another_tree_shape(exported):
     _, _, graphs = exported
     with pytest.raises(ValueError, match="total_tokens 10, not 12"):

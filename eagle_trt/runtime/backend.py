@@ -26,8 +26,10 @@ class _Batched:
     """The batched KV cache and slot bookkeeping shared by target and drafter backends.
 
     contiguous_past: the graph runtime binds the past as one memory block (ONNX Runtime, TensorRT),
-    so a call over several sequences binds every row of the cache (`width` = capacity; rows
-    beyond a sequence's length are masked). PyTorch takes a strided view: width = longest past."""
+    so a call binds every row of the cache (`width` = capacity; rows beyond a sequence's length
+    are masked), at any batch size: the bound shapes then change only when the cache grows (every
+    CHUNK rows), so a backend can keep its bindings from call to call. PyTorch takes a strided
+    view: width = longest past."""
     contiguous_past = True
     cache: KVCache | None = None
 
@@ -57,7 +59,7 @@ class _Batched:
             raise ValueError("a forward pass needs at least one sequence (add_sequence first)")
         self.cache.stage(slots, T)
         lengths = torch.tensor([self.cache.lengths[b] for b in slots], dtype=torch.int64)
-        width = self.cache.capacity if self.contiguous_past and len(slots) > 1 else int(lengths.max())
+        width = self.cache.capacity if self.contiguous_past else int(lengths.max())
         return slots, lengths, width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:

@@ -78,13 +78,14 @@ class KVCache:
         when there is one sequence or width is the capacity."""
         return self.k[layer, slots.start:slots.stop, :width], self.v[layer, slots.start:slots.stop, :width]
 
-    def write(self, new_k: list[Tensor], new_v: list[Tensor]) -> None:
-        """Store the staged rows ([b, T, Hkv, D] per layer) after each sequence's committed ones."""
-        slots, T = self.staged_slots, self.staged
-        b_index, r_index = self._index([(b, self.lengths[b] + t) for b in slots for t in range(T)])
+    def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor) -> None:
+        """Store the staged rows ([b, T, Hkv, D] per layer, or all layers as one [L, b, T, Hkv, D]
+        tensor) after each sequence's committed ones."""
+        T = self.staged
         for buf, new in ((self.k, new_k), (self.v, new_v)):
-            rows = torch.stack(new)                                   # [L, b, T, Hkv, D]
-            buf[:, b_index, r_index] = rows.flatten(1, 2).to(buf.device, buf.dtype)
+            rows = new if isinstance(new, Tensor) else torch.stack(new)   # [L, b, T, Hkv, D]
+            for i, b in enumerate(self.staged_slots):                     # one run of rows per sequence
+                buf[:, b, self.lengths[b]:self.lengths[b] + T] = rows[:, i]
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """(slot, row) pairs as the two index tensors of an advanced-indexing read or write."""

@@ -2,8 +2,10 @@
 in, two graph calls per iteration.
 
 Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
-layout, bound as the `past` inputs through zero-copy numpy views; the new rows the graph
-returns are copied into each sequence's staged rows (B * T rows per layer)."""
+layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
+rows into a preallocated staging tensor, copied into each sequence's staged rows (B * T rows
+per layer). Those 4L bindings are made once per call shape and kept (`Bindings`): the past is
+bound at the cache's full capacity, so the shape changes only when the cache grows."""
 from __future__ import annotations
 
 import time
@@ -19,6 +21,7 @@ from .backend import DrafterBackend, TargetBackend, tree_from_outputs
 from .kv_cache import CHUNK
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
 
 
 class _Timed:
@@ -64,9 +67,44 @@ def make_session(path: str | Path, threads: int | None = None,
 
 def bind_past(io: ort.IOBinding, backend, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
     """Bind the past rows of `layer` as zero-copy numpy views of the cache's own tensors
-    (contiguous: one sequence's prefix, or every row of a block of slots)."""
+    (contiguous: every row of a block of slots)."""
     for buf, name in zip(backend._past(slots, width, layer), names):
         io.bind_cpu_input(name, buf.numpy())
+
+
+def bind_buffer(io: ort.IOBinding, name: str, buffer: torch.Tensor) -> None:
+    """Bind output `name` to a preallocated contiguous CPU tensor: the graph writes into it."""
+    io.bind_output(name, "cpu", 0, NUMPY_DTYPES[buffer.dtype], list(buffer.shape), buffer.data_ptr())
+
+
+class Bindings:
+    """Target-graph IOBindings kept from call to call, one per call shape (slots, new rows, past
+    width, cache buffers): the past inputs and the new-KV outputs, 4L bindings, are
+    made once per shape instead of once per call (rebinding them through Python was about half
+    of an iteration's host work). A shape's entry is dropped when the cache is reallocated."""
+
+    def __init__(self, session: ort.InferenceSession, keep: int = 8):
+        self.session, self.keep = session, keep
+        self.entries: dict[tuple, tuple[ort.IOBinding, torch.Tensor]] = {}
+
+    def get(self, backend, slots: range, T: int, width: int) -> tuple[ort.IOBinding, torch.Tensor]:
+        """The binding for this call shape and its staging tensor [2, L, b, T, Hkv, D] (new K, new V)."""
+        cache = backend.cache
+        key = (slots.start, slots.stop, T, width, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries = {k: e for k, e in self.entries.items() if k[4:] == key[4:]}   # same cache buffers only
+            if len(self.entries) >= self.keep:
+                self.entries.pop(next(iter(self.entries)))
+            io = self.session.io_binding()
+            L = cache.k.shape[0]
+            staging = torch.empty((2, L, len(slots), T, *cache.k.shape[3:]), dtype=cache.k.dtype)
+            for i in range(L):
+                bind_past(io, backend, slots, width, i, (f"past_key_{i}", f"past_value_{i}"))
+                bind_buffer(io, f"new_key_{i}", staging[0, i])
+                bind_buffer(io, f"new_value_{i}", staging[1, i])
+            entry = self.entries[key] = (io, staging)
+        return entry
 
 
 class OrtTarget(_Timed, TargetBackend):
@@ -87,6 +125,10 @@ class OrtTarget(_Timed, TargetBackend):
         self.kv_heads, self.head_dim = int(shape[2]), int(shape[3])
         self.dtype = TORCH_DTYPES[inputs["past_key_0"].type]
         self.max_context = max_context
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
+        self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
+        self.bindings = Bindings(self.session)
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
@@ -104,19 +146,19 @@ class OrtTarget(_Timed, TargetBackend):
         return logits, captured[:, :T]
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        io = self.session.io_binding()
+        b, T = input_ids.shape
+        io, staging = self.bindings.get(self, slots, T, width)
         io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
         io.bind_cpu_input("position_ids", positions.numpy().astype(np.int64))
         io.bind_cpu_input("attention_mask", mask.numpy())
         io.bind_cpu_input("logits_index", logits_index.numpy())
-        names = ["logits", "captured"] + [f"new_{kv}_{i}" for i in range(self.num_layers) for kv in ("key", "value")]
-        for name in names:   # io.get_outputs() follows binding order
-            io.bind_output(name, "cpu")
-        for i in range(self.num_layers):
-            bind_past(io, self, slots, width, i, (f"past_key_{i}", f"past_value_{i}"))
+        # fresh each call: the caller may keep them past the next call
+        logits = torch.empty((b, len(logits_index), self.vocab_size), dtype=self.logits_dtype)
+        captured = torch.empty((b, T, self.captured_width), dtype=self.captured_dtype)
+        bind_buffer(io, "logits", logits)
+        bind_buffer(io, "captured", captured)
         self._run_graph(io)
-        out = [torch.from_numpy(value.numpy()) for value in io.get_outputs()]
-        return out[0], out[1], out[2::2], out[3::2]
+        return logits, captured, staging[0], staging[1]
 
 
 class OrtDrafter(_Timed, DrafterBackend):
