@@ -57,6 +57,33 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
         node = nxt
 
 
+def accept_greedy_batch(best: Tensor, ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy acceptance for a batch of trees at once, as fixed-shape tensor code (no loop over
+    nodes or sequences, so it is one step on any device and can be traced into a graph).
+
+    best [B, T]: the target's argmax at each row; ids [B, T]: the rows' tokens (row 0 the root);
+    tree_mask [B, T, T]: row j = node j and its ancestors (a row that does not reach the root,
+    e.g. padding, is never accepted). Returns path [B, T] (accepted nodes in depth order, root
+    first, zero past the end), length [B] (nodes on the path, root included: the tokens the
+    iteration adds) and tokens [B, T] (the emitted tokens, best at each path node: the accepted
+    drafts, then the bonus). Equal to `accept_greedy` per tree, including its choice of the
+    first matching child when siblings carry the same token."""
+    T = ids.shape[1]
+    mask = tree_mask.bool()
+    depth = mask.sum(-1) - 1                                                      # [B, T]
+    parent = (mask & (depth[:, None, :] == depth[:, :, None] - 1)).long().argmax(-1)   # root: 0, unused
+    order = torch.arange(T, device=ids.device)
+    match = (ids == best.gather(1, parent)) & (order > 0)
+    # the walk takes the lowest-index matching child: a match with an earlier matching sibling is not taken
+    earlier = (parent[:, None, :] == parent[:, :, None]) & (order[None, :] < order[:, None]) & match[:, None, :]
+    taken = (match & ~earlier.any(-1)) | (order == 0)
+    on_path = mask[:, :, 0] & ~(mask & ~taken[:, None, :]).any(-1)               # root reached, every step taken
+    length = on_path.sum(-1)
+    at_depth = on_path[:, None, :] & (depth[:, None, :] == order[None, :, None])  # [B, depth, node]
+    path = at_depth.long().argmax(-1)
+    return path, length, best.gather(1, path)
+
+
 def accept_sampled(tree: DraftTree, logits: Tensor, sampling: SamplingConfig,
                    generator: torch.Generator | None) -> tuple[list[int], int]:
     tokens = [-1] + tree.tokens.tolist()

@@ -26,7 +26,7 @@ import torch
 from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
 from ..tree import DraftTree, rank_desc
-from ..verify import accept_greedy, accept_sampled, sample_token
+from ..verify import accept_greedy_batch, accept_sampled, sample_token
 from .backend import DrafterBackend, TargetBackend
 from .cost import CostModel
 
@@ -243,15 +243,19 @@ class SpeculativeDecoder:
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
-        node_ids = ids.tolist()   # one transfer, not one per accepted node
-        for i, (s, tree) in enumerate(zip(batch, trees)):
+        # greedy rows: the whole batch at once, one transfer of the paths and tokens
+        path_t, length_t, tokens_t = accept_greedy_batch(logits.argmax(-1).cpu(), ids, mask)
+        greedy = zip(path_t.tolist(), length_t.tolist(), tokens_t.tolist())
+        node_ids = ids.tolist()
+        for i, ((path, length, tokens), s, tree) in enumerate(zip(greedy, batch, trees)):
             sampling = s.request.sampling
             if sampling.greedy:
-                path, bonus = accept_greedy(tree, logits[i])
+                path, new = path[:length], tokens[:length]
             else:
                 path, bonus = accept_sampled(tree, logits[i], sampling, s.gen)
+                new = [node_ids[i][j] for j in path[1:]] + [bonus]
             paths.append(path)
-            news.append([node_ids[i][j] for j in path[1:]] + [bonus])
+            news.append(new)
             if self.cost_model is not None and n > 0:
                 ranks = rank_desc(tree.scores).tolist()
                 self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)

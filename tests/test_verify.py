@@ -1,0 +1,53 @@
+"""Greedy acceptance as batched tensor code (`accept_greedy_batch`) against the tree walk
+(`accept_greedy`) on random trees, with repeated sibling tokens, deep matches and padding rows."""
+from __future__ import annotations
+
+import torch
+
+from eagle_trt.tree import DraftTree, ancestor_mask
+from eagle_trt.verify import accept_greedy, accept_greedy_batch
+
+
+def random_tree(n: int, vocab: int, gen: torch.Generator) -> DraftTree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n + 1)]
+    parents_t = torch.tensor(parents)
+    mask = ancestor_mask(parents_t[None], n + 1)[0]
+    depths = mask.sum(-1) - 1
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    return DraftTree(tokens, parents_t, mask, depths, torch.zeros(n))
+
+
+def test_batched_greedy_acceptance_equals_the_tree_walk():
+    gen = torch.Generator().manual_seed(0)
+    vocab, n, pad, B = 4, 12, 2, 64       # 4 tokens: matches go deep and siblings repeat tokens
+    trees = [random_tree(n, vocab, gen) for _ in range(B)]
+    ids = torch.stack([torch.cat((torch.tensor([0]), t.tokens, t.tokens[:pad])) for t in trees])
+    mask = torch.zeros(B, n + 1 + pad, n + 1 + pad, dtype=torch.bool)
+    for b, t in enumerate(trees):
+        mask[b, : n + 1, : n + 1] = t.mask
+        mask[b, n + 1:, n + 1:] = torch.eye(pad, dtype=torch.bool)    # padding rows see only themselves
+    best = torch.randint(0, vocab, (B, n + 1 + pad), generator=gen)
+    path, length, tokens = accept_greedy_batch(best, ids, mask)
+    lengths, repeated = [], 0
+    for b, t in enumerate(trees):
+        logits = torch.nn.functional.one_hot(best[b, : n + 1], vocab).float()
+        want_path, bonus = accept_greedy(t, logits)
+        L = int(length[b])
+        assert path[b, :L].tolist() == want_path
+        assert tokens[b, :L].tolist() == [int(ids[b, j]) for j in want_path[1:]] + [bonus]
+        lengths.append(L)
+        siblings = [[int(t.tokens[c - 1]) for c in range(1, n + 1) if int(t.parents[c]) == p] for p in range(n + 1)]
+        repeated += any(len(s) != len(set(s)) for s in siblings)
+    assert max(lengths) >= 4 and min(lengths) == 1 and repeated > 10   # deep paths, rejections, repeated siblings
+
+
+def test_batched_greedy_acceptance_can_fail_on_a_wrong_tree():
+    """A mask that breaks the chain (node 2 made a child of the root) changes the answer."""
+    ids = torch.tensor([[0, 5, 6]])
+    best = torch.tensor([[5, 6, 9]])
+    chain = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
+    path, length, tokens = accept_greedy_batch(best, ids, chain)
+    assert (path[0, :3].tolist(), int(length[0]), tokens[0, :3].tolist()) == ([0, 1, 2], 3, [5, 6, 9])
+    flat = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    path, length, tokens = accept_greedy_batch(best, ids, flat)
+    assert (path[0, :2].tolist(), int(length[0]), tokens[0, :2].tolist()) == ([0, 1], 2, [5, 6])
