@@ -25,7 +25,7 @@ demo: setup
 	$(PY) -m eagle_trt.build.demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
