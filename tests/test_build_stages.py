@@ -116,10 +116,9 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
         assert settings["max_tokens"] == 5
 
 
-def run_cli(*args, **kwargs):
+def run_cli(*args, env=None, **kwargs):
     return subprocess.run([sys.executable, "-m", "eagle_trt.build", *args], capture_output=True, text=True,
-                          check=False,
-                          env=ENV, cwd=ROOT, timeout=600, **kwargs)
+                          check=False, env=env or ENV, cwd=ROOT, timeout=600, **kwargs)
 
 
 def assert_one_line_error(done, *fragments):
@@ -279,3 +278,46 @@ def test_tensorrt_backend_says_what_is_missing_when_imported_here():
     spec_missing = importlib.util.find_spec("tensorrt") is None
     with pytest.raises(ImportError, match="needs TensorRT 10.x" if spec_missing else "."):
         importlib.import_module("eagle_trt.runtime.tensorrt_backend")
+
+
+def test_external_data_is_one_named_file_per_graph_and_the_repository_travels(tiny, tmp_path, monkeypatch):
+    """With the external-data threshold at 0 every graph keeps its weights outside: exactly one
+    `<graph>.data` per graph, shared by none, linked into the Triton repository and checked there;
+    a copy of the repository loads elsewhere; a deleted or truncated weights file is named."""
+    from eagle_trt.export.graph_files import GraphFileError, check_graph_files, graph_files
+    from eagle_trt.quant.run import fp8_session
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
+    out = tmp_path / "out"
+    build(config_from_dict(tiny["data"], "tiny.yaml"), out, log=None)
+    graphs = sorted(p for p in out.rglob("*.onnx") if "triton" not in p.parts)
+    assert {p.name for p in graphs} >= {"target.onnx", "drafter_tree.onnx", "target.fp8.onnx"}
+    seen: dict[Path, Path] = {}
+    for graph in graphs:
+        files = graph_files(graph)
+        assert [f.name for f in files] == [graph.name, graph.name + ".data"], files
+        for f in files[1:]:
+            assert f not in seen, f"{f} is read by {graph} and {seen[f]}"
+            seen[f] = graph
+    export_files = {p.name for p in (out / "export").iterdir()}
+    assert export_files == {"target.onnx", "target.onnx.data", "drafter_tree.onnx", "drafter_tree.onnx.data"}, export_files
+    served = json.loads((out / "triton/eagle_trt/1/eagle.json").read_text())["graphs"]
+    moved = tmp_path / "elsewhere" / "triton"
+    shutil.copytree(out / "triton", moved)
+    shutil.rmtree(out / "triton")
+    for rel in served.values():
+        graph = moved / "eagle_trt/1" / rel
+        check_graph_files(graph)
+        fp8_session(graph, 1)        # loads with its weights (the FP8 settings also run float graphs)
+    data = moved / "eagle_trt/1" / served["target"]
+    data = data.with_name(data.name + ".data")
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(GraphFileError, match=f"{data}.*has 100 bytes"):
+        check_graph_files(data.with_name(data.name[:-5]))
+    data.unlink()
+    with pytest.raises(GraphFileError, match=f"{data} is missing"):
+        check_graph_files(data.with_name(data.name[:-5]))
+    weights = out / "export" / "target.onnx.data"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    done = run_cli("--config", str(write_config(tmp_path / "tiny.yaml", tiny["data"])), "--output", str(out),
+                   "--stages", "parity", "--quiet", env=dict(ENV, EAGLE_TRT_EXTERNAL_DATA_BYTES="0"))
+    assert_one_line_error(done, "export/target.onnx.data changed since the export stage wrote it")

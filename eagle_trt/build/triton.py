@@ -71,12 +71,21 @@ def plan_model_config(name: str, graph: Path, profiles: list[int]) -> str:
 def _link(src: Path, dst: Path) -> None:
     """Hard link where possible (same file system: no second copy of multi-GB weights)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for f in [src] + sorted(src.parent.glob(f"{src.name}.data")) + sorted(src.parent.glob(f"{src.stem}.onnx_data")):
-        target = dst.parent / (dst.name + f.name[len(src.name):]) if f != src else dst
-        try:
-            os.link(f, target)
-        except OSError:
-            shutil.copy2(f, target)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _link_graph(src: Path, folder: Path) -> Path:
+    """The graph and every file it reads its weights from, under their own names (external data
+    locations are relative to the graph), checked in place: a repository that cannot load a
+    graph fails the build here, naming the missing file, instead of at serving time."""
+    from ..export.graph_files import check_graph_files, graph_files
+    for f in graph_files(src):
+        _link(f, folder / f.name)
+    check_graph_files(folder / src.name)
+    return folder / src.name
 
 
 def _kv(graph: Path, layers_key: str) -> dict:
@@ -123,7 +132,7 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
             (out / model / "config.pbtxt").write_text(plan_model_config(model, graphs[graph], profiles))
     else:
         for graph, path in graphs.items():
-            _link(path, version / "graphs" / path.name)
+            _link_graph(path, version / "graphs")
             settings["graphs"][graph] = f"graphs/{path.name}"
     progress.step("tensorrt_plan models" if plans else "onnx graphs")
     import json

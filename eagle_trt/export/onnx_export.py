@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import tempfile
 import time
@@ -18,6 +17,7 @@ from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget, causal_mask
 from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS,
                      DrafterStepGraph, DraftTreeGraph, TargetGraph, target_io_names)
+from .graph_files import install_graph, save_graph
 from .opcheck import check_graph
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
@@ -50,19 +50,18 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
             torch.onnx.export(module, args, str(tmp_file), input_names=inputs, output_names=outputs,
                               dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
                               do_constant_folding=True)
-        if static_dims:
-            graph = onnx.load(str(tmp_file))
-            for out in graph.graph.output:
-                for axis, size in static_dims.get(out.name, {}).items():
-                    out.type.tensor_type.shape.dim[axis].dim_value = size
-            onnx.save(graph, str(tmp_file))
+        graph = onnx.load(str(tmp_file))   # with the exporter's external data, one file per tensor, if any
+        for out in graph.graph.output:
+            for axis, size in (static_dims or {}).get(out.name, {}).items():
+                out.type.tensor_type.shape.dim[axis].dim_value = size
+        for f in tmp.iterdir():
+            f.unlink()
+        written = save_graph(graph, tmp_file)     # the graph, and its weights in one named file when large
+        del graph
         onnx.checker.check_model(str(tmp_file))
         ops = sorted({n.op_type for n in onnx.load(str(tmp_file), load_external_data=False).graph.node})
         check_graph(str(tmp_file))
-        for f in tmp.iterdir():   # the graph file last, so a present .onnx means complete data
-            if f.name != path.name:
-                os.replace(f, path.parent / f.name)
-        os.replace(tmp_file, path)
+        install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportedGraph(path, time.perf_counter() - start, ops)

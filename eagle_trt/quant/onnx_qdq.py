@@ -22,7 +22,6 @@ module whose forward is never called directly (the drafter's `midlayer`) is miss
 scope, so a scope is matched as an ordered subsequence of a known module path."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ..export.graph_files import install_graph, save_graph
 from ..export.opcheck import check_graph
 from .config import QuantConfig, QuantError
 from .fakequant import check_amax
@@ -310,17 +310,13 @@ def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
     try:
         tmp_file = tmp / dst.name
-        large = model.ByteSize() > 1_800_000_000        # protobuf's 2 GB limit: weights go beside the graph
-        onnx.save(model, str(tmp_file), save_as_external_data=large, location=f"{dst.name}.data")
+        written = save_graph(model, tmp_file)           # weights in dst.data when past protobuf's limit
         try:
             onnx.checker.check_model(str(tmp_file))
         except onnx.checker.ValidationError as exc:
             raise QuantError(f"{dst}: the quantized graph fails onnx.checker ({exc})") from None
         check_graph(str(tmp_file), label=str(dst))
-        for f in tmp.iterdir():                           # the graph last: a present .onnx is complete
-            if f.name != dst.name:
-                os.replace(f, dst.parent / f.name)
-        os.replace(tmp_file, dst)
+        install_graph(written, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return summary

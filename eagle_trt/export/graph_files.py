@@ -1,0 +1,106 @@
+"""How a graph lies on disk: `name.onnx`, plus one `name.onnx.data` beside it when its weights do
+not fit in one protobuf (2 GB), as TensorRT-Edge-LLM and ModelOpt write them.
+
+Every stage that writes a graph writes it through `save_graph`, so two graphs in one folder
+never share or overwrite each other's weight files (the exporter's own external data is one
+file per tensor, named after exporter internals). `graph_files` lists what a graph needs, for
+copying it (the Triton repository) and for checking it (`check_graph_files`)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import uses_external_data
+
+# Graphs whose protobuf would pass this many bytes keep their weights in `name.onnx.data`
+# (protobuf refuses 2 GiB). EAGLE_TRT_EXTERNAL_DATA_BYTES lowers it (tests, or to keep graph
+# files small).
+EXTERNAL_DATA_BYTES = 1_800_000_000
+MIN_EXTERNAL_TENSOR = 1024       # smaller tensors stay inside the graph
+
+
+class GraphFileError(ValueError):
+    pass
+
+
+def external_data_threshold() -> int:
+    value = os.environ.get("EAGLE_TRT_EXTERNAL_DATA_BYTES")
+    if value is None:
+        return EXTERNAL_DATA_BYTES
+    try:
+        return int(value)
+    except ValueError:
+        raise GraphFileError(f"EAGLE_TRT_EXTERNAL_DATA_BYTES={value!r}: expected a number of bytes") from None
+
+
+def data_file_name(graph: Path) -> str:
+    return f"{Path(graph).name}.data"
+
+
+def save_graph(model: onnx.ModelProto, path: str | Path) -> list[Path]:
+    """Write `model` (its weights in memory) to `path`, with its weights in `path.data` when the
+    graph is past the threshold; returns the files written (the graph first)."""
+    path = Path(path)
+    external = model.ByteSize() > external_data_threshold()
+    data = path.with_name(data_file_name(path))
+    if data.exists():
+        data.unlink()   # onnx appends to an existing data file
+    onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+              location=data.name, size_threshold=MIN_EXTERNAL_TENSOR)
+    return [path, data] if external else [path]
+
+
+def install_graph(written: list[Path], dst: str | Path) -> None:
+    """Move a graph that `save_graph` wrote into a temporary folder to `dst`: its weights file
+    first and the graph last, so a present graph always has complete weights; a weights file
+    left by an earlier, larger graph of that name is removed."""
+    dst = Path(dst)
+    stale = dst.with_name(data_file_name(dst))
+    if len(written) == 1 and stale.exists():
+        stale.unlink()
+    for f in written[1:]:
+        os.replace(f, dst.parent / f.name)
+    os.replace(written[0], dst)
+
+
+def _tensors(model: onnx.ModelProto):
+    yield from model.graph.initializer
+    for node in model.graph.node:        # Constant nodes may keep their value outside too
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+
+
+def external_references(path: str | Path) -> dict[Path, int]:
+    """{external file: bytes the graph reads from it} for the graph at `path` (weights not loaded)."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    need: dict[Path, int] = {}
+    for tensor in _tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = path.parent / info["location"]
+        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        need[location] = max(need.get(location, 0), end)
+    return need
+
+
+def graph_files(path: str | Path) -> list[Path]:
+    """The graph file and every file it reads its weights from."""
+    return [Path(path)] + sorted(external_references(path))
+
+
+def check_graph_files(path: str | Path) -> None:
+    """Raise GraphFileError naming the file when a graph's weight file is missing or too short."""
+    for location, end in external_references(path).items():
+        if not location.is_file():
+            raise GraphFileError(f"{path}: its weights file {location} is missing")
+        if location.stat().st_size < end:
+            raise GraphFileError(f"{path}: its weights file {location} has {location.stat().st_size} bytes, the graph "
+                                 f"reads up to byte {end} (truncated or replaced)")
+
+
+__all__ = ["EXTERNAL_DATA_BYTES", "GraphFileError", "check_graph_files", "data_file_name", "external_data_threshold",
+           "external_references", "graph_files", "install_graph", "save_graph"]
