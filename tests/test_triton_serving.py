@@ -284,11 +284,14 @@ FP8_TARGETS = {"llama": {}, "qwen3": {"family": "qwen3", "extra": dict(head_dim=
 
 
 @pytest.mark.parametrize("family", list(FP8_TARGETS))
-def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family):
+def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, monkeypatch):
     """An FP8 build (tiny target and drafter) served in-process: the model opens its FP8 graphs
     with the FP8 ONNX Runtime backends (weight DQs folded, 2-row padding), so its stream equals
-    the offline FP8 runtime's tokens, which equal FP8 greedy decoding."""
+    the offline FP8 runtime's tokens, which equal FP8 greedy decoding. The weights are kept
+    outside the graphs (threshold 0) and the repository is served from a copy in another
+    folder, the built one deleted: it holds every file its graphs read."""
     import json
+    import shutil
 
     from test_build_support import tiny_config, write_tiny_target
 
@@ -300,6 +303,7 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family):
     data = tiny_config(write_tiny_target(tmp_path / "target", **FP8_TARGETS[family]), parity=parity,
                        precision={"target": {"format": "fp8", "base": "fp32"}, "drafter": {"format": "fp8", "base": "fp32"}})
     cfg = config_from_dict(data, "tiny fp8")
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
     m = build(cfg, tmp_path / "out", log=None)
     stages = {s["name"]: s["status"] for s in m.data["stages"]}
     assert stages["parity"] == ("skipped" if family == "llama" else "ran"), stages
@@ -312,7 +316,12 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family):
     prompt = list(range(5, 25))
     expected = SpeculativeDecoder(target, drafter, eos).generate(prompt, 8).tokens
     assert expected == generate_autoregressive(target, prompt, 8, eos).tokens
-    with LocalTriton(m.artifact("triton")) as server:
+    moved = tmp_path / "elsewhere" / "triton"
+    shutil.copytree(m.artifact("triton"), moved)
+    shutil.rmtree(m.artifact("triton"))
+    assert {p.name for p in (moved / MODEL / "1" / "graphs").iterdir()} == {
+        "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data"}
+    with LocalTriton(moved) as server:
         stream = Stream(server)
         try:
             stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
