@@ -236,10 +236,14 @@ class SpeculativeDecoder:
             trees = [full.row(i).top(n) for i in range(B)]
         else:
             trees = [_empty_tree("cpu")] * B
-        lengths = self.target.lengths
-        ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees)])
-        positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(trees)])
-        mask = torch.stack([t.mask.cpu() for t in trees])
+        lengths = torch.tensor(self.target.lengths)
+        if n > 0 and n >= self.nodes:     # every node: the batch's trees as the drafter returned them
+            ids = torch.cat((torch.tensor(roots)[:, None], full.tokens.cpu()), 1)
+            positions, mask = lengths[:, None] + full.depths.cpu(), full.mask.cpu()
+        else:
+            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees)])
+            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(trees)])
+            mask = torch.stack([t.mask.cpu() for t in trees])
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
