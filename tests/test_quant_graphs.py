@@ -42,12 +42,14 @@ def setup(tiny_target, tmp_path_factory):
     before = tiny_target.model.capture
     tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
     prompts = [_ids(12 + 5 * i, seed=100 + i) for i in range(6)]
-    amax = {"target": calibrate_target(tiny_target.model, prompts),
-            "drafter": calibrate_drafter(drafter, tiny_target.model, prompts, SHAPE)}
+    calls = {"target": 0, "drafter": 0}
+    counter = lambda name: lambda: calls.__setitem__(name, calls[name] + 1)   # noqa: E731 - progress callbacks
+    amax = {"target": calibrate_target(tiny_target.model, prompts, counter("target")),
+            "drafter": calibrate_drafter(drafter, tiny_target.model, prompts, SHAPE, counter("drafter"))}
     graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
               "drafter": export_drafter_tree(drafter, SHAPE, folder / "drafter.onnx").path}
     models = {"target": tiny_target.model, "drafter": drafter}
-    out = {"folder": folder, "amax": amax, "graphs": graphs, "models": models, "summary": {}}
+    out = {"folder": folder, "amax": amax, "graphs": graphs, "models": models, "summary": {}, "calls": calls}
     for fmt in FORMATS:
         for name in ("target", "drafter"):
             path = folder / f"{name}.{fmt}.onnx"
@@ -320,3 +322,17 @@ def test_graph_failing_the_tensorrt_check_leaves_nothing_behind(setup, tmp_path)
     with pytest.raises(Exception, match="det0"):
         quantize_onnx(src, out / "t.onnx", QuantConfig("fp8"), setup["amax"]["target"])
     assert list(out.iterdir()) == []
+
+
+def test_calibration_reports_progress_per_prompt(setup):
+    """The build prints a line per calibration prompt with the time left (long on multi-GB targets)."""
+    import io
+
+    from eagle_trt.build.store import Progress
+    assert setup["calls"] == {"target": 6, "drafter": 6}
+    stream = io.StringIO()
+    progress = Progress("calibrate target", 3, stream)
+    for _ in range(3):
+        progress.step()
+    lines = stream.getvalue().splitlines()
+    assert [("1/3" in l, "left" in l) for l in lines] == [(True, True), (False, True), (False, False)], lines

@@ -37,12 +37,13 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     summaries = {}
     for name, graph in todo:
         precision = getattr(cfg.precision, name)
+        prompt_done = Progress(f"calibrate {name}", len(ids), log).step   # one line per prompt, with an ETA
         if name == "target":
             module = models.target.model
-            amax = calibrate_target(module, ids)
+            amax = calibrate_target(module, ids, prompt_done)
         else:
             module = models.drafter
-            amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape)
+            amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape, prompt_done)
         calib = save_calibration(out / f"{name}.amax.json", amax)
         progress.step(f"calibrated {name} on {len(ids)} prompts")
         dst = out / f"{graph}.{precision.format}.onnx"

@@ -157,7 +157,8 @@ class Store:
 
 
 class Progress:
-    """Percent lines on stderr for long stages: `  export: 1/2 (50%) target.onnx`."""
+    """Percent lines on stderr for long stages, with the time so far and, until the last step, the
+    time left at the pace so far: `  export [##########..........] 1/2 (50%) target.onnx 12.0s, ~12s left`."""
 
     def __init__(self, stage: str, total: int, stream: TextIO | None = sys.stderr):
         self.stage, self.total, self.done, self.stream = stage, max(total, 1), 0, stream
@@ -168,8 +169,10 @@ class Progress:
         if self.stream is not None:
             pct = 100 * self.done // self.total
             bar = "#" * (pct // 5) + "." * (20 - pct // 5)
-            print(f"  {self.stage:<9} [{bar}] {self.done}/{self.total} ({pct}%) {what} "
-                  f"{time.perf_counter() - self.start:.1f}s", file=self.stream, flush=True)
+            spent = time.perf_counter() - self.start
+            left = f", ~{spent / self.done * (self.total - self.done):.0f}s left" if self.done < self.total else ""
+            print(f"  {self.stage:<9} [{bar}] {self.done}/{self.total} ({pct}%) {what} {spent:.1f}s{left}",
+                  file=self.stream, flush=True)
 
 
 def human_bytes(n: int) -> str:

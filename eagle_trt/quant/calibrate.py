@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,11 +82,15 @@ def _target_pass(target: LlamaTarget, ids: list[int]):
     return target(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), past_k, past_v)
 
 
-def calibrate_target(target: LlamaTarget, prompts: list[list[int]]) -> dict[str, float]:
-    """{module path: max |input|} for every Linear of the target over the prompts."""
+def calibrate_target(target: LlamaTarget, prompts: list[list[int]],
+                     on_prompt: Callable[[], None] | None = None) -> dict[str, float]:
+    """{module path: max |input|} for every Linear of the target over the prompts (on_prompt is
+    called after each, for progress)."""
     with _recording(target) as rec:
         for ids in prompts:
             _target_pass(target, ids)
+            if on_prompt is not None:
+                on_prompt()
     return dict(sorted(rec.amax.items()))
 
 
@@ -93,7 +98,7 @@ DEFAULT_TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
 
 
 def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[list[int]],
-                      shape: TreeShape = DEFAULT_TREE) -> dict[str, float]:
+                      shape: TreeShape = DEFAULT_TREE, on_prompt: Callable[[], None] | None = None) -> dict[str, float]:
     """{module path: max |input|} for every Linear of the drafter, fed the target's real
     captured states of each prompt and then expanding a draft tree of `shape`. The target's
     capture layers are set to the drafter's (as prepare_models does)."""
@@ -107,6 +112,8 @@ def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[
             next_id = int(out.logits[0, -1].argmax())
             pk, pv = drafter.empty_past()
             draft_tree(drafter, out.captured.to(dtype), torch.tensor([ids[1:] + [next_id]]), pk, pv, shape)
+            if on_prompt is not None:
+                on_prompt()
     return dict(sorted(rec.amax.items()))
 
 
