@@ -6,6 +6,11 @@
 #
 #   GEN_MIN=45 TRAIN_MIN=55 bash scripts/train_smollm2_drafters.sh
 #   PROMPTS=20480 GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh   # only more data
+#   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # leg 2: the first 20 chunks
+#
+# On a machine that did not generate the data, the target features are recomputed from the ids
+# at ~225 tokens/s on 2 cores (~8x the cost of a training pass over them): CHUNKS=K trains on the
+# first K chunks only, so a leg's budget is not spent on features it has no time to train on.
 #
 # Stages (each resumable; run the script again after an interruption):
 # 1. python -m eagle_trt.train.regenerate, two workers: the target's greedy answers to ShareGPT
@@ -34,12 +39,21 @@ if [ "$GEN_MIN" != 0 ]; then
     wait
 fi
 [ "$TRAIN_MIN" != 0 ] || exit 0
+# the chunks this leg trains on: all, or the first CHUNKS as a snapshot folder of the same name
+# (the feature cache is keyed by the set's folder name, so it is shared with the full set)
+DATA=data/distill/smollm2-sharegpt
+if [ -n "${CHUNKS:-}" ]; then
+    DATA=$RUN/snapshot/smollm2-sharegpt
+    mkdir -p "$DATA"
+    cp data/distill/smollm2-sharegpt/provenance.json "$DATA/"
+    for f in $(ls data/distill/smollm2-sharegpt/chunk_*.npz | sort | head -n "$CHUNKS"); do ln -s "$(realpath "$f")" "$DATA/"; done
+fi
 # target features of every chunk (those written on the side by regenerate on this machine are reused)
-python -m eagle_trt.train --target smollm2 --distill data/distill/smollm2-sharegpt \
+python -m eagle_trt.train --target smollm2 --distill "$DATA" \
     --eval-distill data/distill/smollm2-val --features-only --threads 2
 for variant in eagle3.1 eagle3; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
-        --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val \
+        --distill "$DATA" --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps 20 \
         --ttt-steps 3 --ttt-share 0.25 --freeze-head --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
         --time-budget-min "$TRAIN_MIN" --schedule budget > "$RUN/$variant.log" 2>&1 &
@@ -47,7 +61,7 @@ done
 wait
 for variant in eagle3.1 eagle3; do
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
-        --note "continued from the shipped weights for $TRAIN_MIN min on one core (scripts/train_smollm2_drafters.sh)"
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks (scripts/train_smollm2_drafters.sh)"
 done
 python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
-    --out docs/results/training/agreement.png
+    --out docs/results/training/agreement.png --json docs/results/training/agreement.json
