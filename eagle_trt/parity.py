@@ -32,8 +32,11 @@ from .models.target import LlamaTarget, causal_mask
 # either (Polygraphy's element-wise rule). Logits use absolute bounds. The captured states and
 # KV rows carry the target's massive activations (SmolLM2: |x| up to ~2.5e4 on the first token),
 # so their atol is relative to the largest reference magnitude of that output ("scaled").
+# fp32 logits: the floor is the summation order of the lm_head's 576-term dot products on logits
+# of ~40, which depends on the CPU's kernels: 9.5e-5 on an AVX-512 machine, 1.17e-4 on an
+# AVX2-only AMD EPYC (SmolLM2, PyTorch vs ONNX Runtime), so the gate is 2e-4.
 TOLERANCES = {
-    "float32": {"logits": (1e-4, 1e-4), "scores": (1e-4, 1e-4), "feedback": (1e-4, 1e-4),
+    "float32": {"logits": (2e-4, 1e-4), "scores": (1e-4, 1e-4), "feedback": (1e-4, 1e-4),
                 "captured": ("scaled", 1e-5), "kv": ("scaled", 1e-5)},
     "float16": {"logits": (5e-2, 5e-2), "scores": (2e-2, 2e-2), "feedback": (2e-2, 2e-2),
                 "captured": ("scaled", 5e-3), "kv": ("scaled", 5e-3)},

@@ -44,7 +44,7 @@ def test_parity_report_on_smollm2(smollm2, smollm2_tokenizer, drafters, target_g
     assert all(r.passed for r in reports), [(r.name, o.output, o.max_abs) for r in reports for o in r.outputs
                                             if not o.passed]
     logits = next(o for o in by_name["target"].outputs if o.output == "logits")
-    assert logits.max_abs <= 1e-4
+    assert logits.max_abs <= 2e-4      # the fp32 floor: 9.5e-5 (AVX-512) to 1.2e-4 (AVX2) by CPU
     for o in by_name["drafter_tree"].outputs:
         if o.exact:
             assert o.max_abs == 0.0

@@ -168,7 +168,7 @@ def _compare(drafter, captured, ids, past_k, past_v, shape: TreeShape):
     assert torch.equal(tree.mask, r_mask)
     assert tree.depths.tolist() == r_depths
     torch.testing.assert_close(tree.scores.double(), torch.tensor(r_scores, dtype=torch.float64),
-                               atol=2e-4, rtol=1e-5)
+                               atol=2e-4, rtol=1e-4)   # fp32 log-softmax of a random drafter's large logits
     torch.testing.assert_close(new_k, r_k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(new_v, r_v, atol=1e-4, rtol=1e-4)
     return tree
