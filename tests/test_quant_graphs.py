@@ -336,3 +336,42 @@ def test_calibration_reports_progress_per_prompt(setup):
         progress.step()
     lines = stream.getvalue().splitlines()
     assert [("1/3" in l, "left" in l) for l in lines] == [(True, True), (False, True), (False, False)], lines
+
+
+def test_tied_lm_head_is_stored_once_and_quantizes_through_the_transpose(tmp_path):
+    """A tied target's graph holds the embedding table once: the lm_head MatMul reads
+    Transpose(table), not the exporter's folded copy; ONNX Runtime matches PyTorch, the op check
+    passes, and an FP8 rewrite that quantizes lm_head (skip: none) converts the transposed
+    table for the MatMul while the Gather keeps reading the float one."""
+    from conftest import write_tiny_hf_target
+    from eagle_trt.checkpoints import load_target
+    from eagle_trt.parity import check_case, target_case
+    tied = load_target(write_tiny_hf_target(tmp_path / "tied", tie=True, seed=5))
+    untied = export_target(load_target(write_tiny_hf_target(tmp_path / "untied", seed=5)).model, tmp_path / "u.onnx")
+    path = export_target(tied.model, tmp_path / "target.onnx").path
+    m = onnx.load(str(path))
+    inits = {i.name: i for i in m.graph.initializer}
+    vocab, hidden = tied.config.vocab_size, tied.config.hidden_size
+    assert [list(i.dims) for i in inits.values()].count([vocab, hidden]) == 1
+    assert [list(i.dims) for i in inits.values()].count([hidden, vocab]) == 0, "the transposed copy is still there"
+    producer = {o: n for n in m.graph.node for o in n.output}
+    lm_head = next(n for n in m.graph.node if n.name == "/model/lm_head/MatMul")
+    transpose = producer[lm_head.input[1]]
+    assert transpose.op_type == "Transpose" and list(inits[transpose.input[0]].dims) == [vocab, hidden]
+    assert path.stat().st_size < untied.path.stat().st_size - 0.9 * vocab * hidden * 4
+    check_graph(str(path))
+    report = check_case(target_case(tied.model, path, "float32", [list(range(3, 40))]))
+    assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
+
+    cfg = QuantConfig("fp8", skip=())
+    amax = calibrate_target(tied.model, [list(range(3, 30)), list(range(40, 60))])
+    summary = quantize_onnx(path, tmp_path / "target.fp8.onnx", cfg, amax, linear_paths(tied.model))
+    assert "/model/lm_head/MatMul" in summary.quantized
+    q = onnx.load(str(tmp_path / "target.fp8.onnx"))
+    assert not any(n.name == transpose.name for n in q.graph.node)      # its only reader was converted
+    assert [list(i.dims) for i in q.graph.initializer if i.data_type == TensorProto.FLOAT].count([vocab, hidden]) == 1
+    check_graph(q)
+    reference, _ = quantized_copy(tied.model, cfg, amax)
+    feeds, _ = target_feeds(tied.config, list(range(3, 20)), past=0)
+    parity = {r.module: r.rel_l2 for r in layer_parity(str(tmp_path / "target.fp8.onnx"), reference, feeds)}
+    assert parity["lm_head"] <= 1e-5 and max(parity.values()) <= 1e-5

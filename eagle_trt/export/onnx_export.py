@@ -19,6 +19,7 @@ from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, D
                      DrafterStepGraph, DraftTreeGraph, TargetGraph, target_io_names)
 from .graph_files import install_graph, save_graph
 from .opcheck import check_graph
+from .tied_weights import share_tied_weights
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -54,6 +55,7 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():
                 out.type.tensor_type.shape.dim[axis].dim_value = size
+        share_tied_weights(graph)                 # a tied lm_head reads the embedding table, not a copy
         for f in tmp.iterdir():
             f.unlink()
         written = save_graph(graph, tmp_file)     # the graph, and its weights in one named file when large

@@ -134,17 +134,23 @@ class _Rewriter:
         self.new_inits: list[TensorProto] = []
         self.weight_nodes: list[onnx.NodeProto] = []       # weight DQs, placed first
         self.before: dict[int, list[onnx.NodeProto]] = {}   # MatMul's node index -> activation nodes before it
-        self.weights: dict[str, str] = {}                   # initializer -> dequantized output
+        self.weights: dict[tuple[str, bool], str] = {}      # (initializer, transposed) -> dequantized output
         self.acts: dict[tuple[str, float], str] = {}        # (activation, amax) -> dequantized output
 
-    def weight_source(self, name: str) -> str | None:
-        """Follow Identity nodes back to an initializer."""
+    def weight_source(self, name: str) -> tuple[str, bool] | None:
+        """Follow Identity nodes back to an initializer; (its name, whether a 2-D Transpose lies on
+        the way: a tied lm_head reads the [vocab, hidden] embedding table, export/tied_weights.py)."""
+        transposed = False
         while name not in self.inits:
             node = self.producer.get(name)
-            if node is None or node.op_type != "Identity":
+            if node is None:
+                return None
+            if node.op_type == "Transpose" and list(helper.get_attribute_value(node.attribute[0])) == [1, 0]:
+                transposed = not transposed
+            elif node.op_type != "Identity":
                 return None
             name = node.input[0]
-        return name
+        return name, transposed
 
     def _init(self, name: str, array: np.ndarray | None = None, *, elem: int | None = None,
               dims: list[int] | None = None, raw: bytes | None = None) -> str:
@@ -157,17 +163,20 @@ class _Rewriter:
     def _float(self, t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
         return t.to(dtype).numpy()
 
-    def weight(self, init_name: str) -> str:
-        if init_name in self.weights:
-            return self.weights[init_name]
+    def weight(self, init_name: str, transposed: bool = False) -> str:
+        key = (init_name, transposed)
+        if key in self.weights:
+            return self.weights[key]
         init = self.inits[init_name]
         dtype = FLOAT_TYPES[init.data_type]
-        w = torch.from_numpy(numpy_helper.to_array(init).copy()).float().T     # [out, in], as nn.Linear
-        base = init_name.replace(":", "_")
+        w = torch.from_numpy(numpy_helper.to_array(init).copy()).float()
+        w = w if transposed else w.T                                        # [out, in], as nn.Linear
+        dims = [w.shape[1], w.shape[0]]                                      # the MatMul's [in, out]
+        base = init_name.replace(":", "_") + ("_transposed" if transposed else "")
         out = f"{base}_dq"
         if self.cfg.format == "fp8":
             q, scale = fp8_weight(w, self.cfg.per_channel)
-            qname = self._init(f"{base}_fp8", elem=TensorProto.FLOAT8E4M3FN, dims=list(init.dims),
+            qname = self._init(f"{base}_fp8", elem=TensorProto.FLOAT8E4M3FN, dims=dims,
                                raw=q.T.contiguous().view(torch.uint8).numpy().tobytes())
             sname = self._init(f"{base}_scale", self._float(scale, dtype))
             attrs = {"axis": 1} if self.cfg.per_channel else {}
@@ -175,10 +184,10 @@ class _Rewriter:
                                                       name=f"{base}_DequantizeLinear", **attrs))
         else:
             codes, sb8, g = nvfp4_weight(w)
-            qname = self._init(f"{base}_fp4", elem=TensorProto.FLOAT4E2M1, dims=list(init.dims),
+            qname = self._init(f"{base}_fp4", elem=TensorProto.FLOAT4E2M1, dims=dims,
                                raw=pack_fp4(codes.T.contiguous()))
             bname = self._init(f"{base}_block_scale_fp8", elem=TensorProto.FLOAT8E4M3FN,
-                               dims=[init.dims[0] // NVFP4_BLOCK, init.dims[1]],
+                               dims=[dims[0] // NVFP4_BLOCK, dims[1]],
                                raw=sb8.T.contiguous().view(torch.uint8).numpy().tobytes())
             gname = self._init(f"{base}_global_scale", self._float(g, dtype))
             self.weight_nodes += [
@@ -186,7 +195,7 @@ class _Rewriter:
                                  name=f"{base}_DequantizeLinear"),
                 helper.make_node("DequantizeLinear", [qname, f"{base}_block_scale"], [out],
                                  name=f"{base}_DequantizeLinear_1", axis=0, block_size=NVFP4_BLOCK)]
-        self.weights[init_name] = out
+        self.weights[key] = out
         return out
 
     def activation(self, index: int, node: onnx.NodeProto, amax: float, dtype: torch.dtype) -> str:
@@ -228,12 +237,13 @@ class _Rewriter:
         graph_outputs = {o.name for o in self.graph.output}
         while True:   # drop dead Identity chains left behind by rewired shared weights
             used = {i for n in nodes for i in n.input} | graph_outputs
-            dead = [n for n in nodes if n.op_type == "Identity" and n.output[0] not in used]
+            dead = [n for n in nodes if n.op_type in ("Identity", "Transpose") and n.output[0] not in used]
             if not dead:
                 break
             nodes = [n for n in nodes if all(n is not d for d in dead)]
         used = {i for n in nodes for i in n.input} | graph_outputs
-        kept = [i for i in self.graph.initializer if i.name in used or i.name not in self.weights]
+        converted = {name for name, _ in self.weights}
+        kept = [i for i in self.graph.initializer if i.name in used or i.name not in converted]
         del self.graph.node[:]
         self.graph.node.extend(nodes)
         del self.graph.initializer[:]
@@ -266,9 +276,10 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
     for index, node in enumerate(model.graph.node):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
-        init_name = rw.weight_source(node.input[1])
-        if init_name is None or len(rw.inits[init_name].dims) != 2:
+        found = rw.weight_source(node.input[1])
+        if found is None or len(rw.inits[found[0]].dims) != 2:
             continue                                   # activation x activation (attention)
+        init_name, transposed = found
         init = rw.inits[init_name]
         if init.data_type not in FLOAT_TYPES:
             raise QuantError(f"node '{node.name}': weight '{init_name}' has type "
@@ -276,18 +287,18 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
                              f"(export float32: TensorRT's strongly typed build follows the Q/DQ types)")
         path = module_for_node(node.name, known) or _guess_path(node.name)
         seen.add(path)
-        reason = cfg.skip_reason(path, int(init.dims[0]))
+        reason = cfg.skip_reason(path, int(init.dims[1] if transposed else init.dims[0]))
         if reason is not None:
             summary.skipped[node.name] = f"{path}: {reason}"
             continue
-        plan.append((index, node, path, init_name))
+        plan.append((index, node, path, init_name, transposed))
     if not plan:
         raise QuantError(f"{cfg.source}: no Linear MatMul in the graph is left to quantize "
                          f"({len(summary.skipped)} skipped)")
-    check_amax(amax, sorted({p for _, _, p, _ in plan}), source)
-    for index, node, path, init_name in plan:
+    check_amax(amax, sorted({p for _, _, p, _, _ in plan}), source)
+    for index, node, path, init_name, transposed in plan:
         dtype = FLOAT_TYPES[rw.inits[init_name].data_type]
-        node.input[1] = rw.weight(init_name)
+        node.input[1] = rw.weight(init_name, transposed)
         node.input[0] = rw.activation(index, node, float(amax[path]), dtype)
         summary.quantized[node.name] = path
     rw.finish()
