@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from .config import TreeShape
-from .export.graphs import DraftTreeGraph, DrafterStepGraph, TargetGraph, target_io_names
+from .export.graphs import (ACCEPT_OUTPUTS, DraftTreeGraph, DrafterStepGraph, GreedyAcceptGraph, TargetGraph,
+                            target_io_names)
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget, causal_mask
 
@@ -41,7 +42,8 @@ TOLERANCES = {
     "float16": {"logits": (5e-2, 5e-2), "scores": (2e-2, 2e-2), "feedback": (2e-2, 2e-2),
                 "captured": ("scaled", 5e-3), "kv": ("scaled", 5e-3)},
 }
-EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths"}
+EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths", "accept_path", "accept_length",
+                 "accept_tokens"}
 
 
 def tolerance_for(output: str, dtype: str, reference: list[dict[str, np.ndarray]] | None = None
@@ -217,6 +219,37 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
     return cases
 
 
+def accept_case(graph: Path, dtype: str, target: GraphCase, seed: int = 0) -> GraphCase:
+    """The greedy accept graph on the target case's real tree verifications (the PyTorch logits
+    of a real draft tree) and on a random batch of three trees with a padding row, small
+    vocabulary and tied logits (deep matches, siblings with one token, first-maximum ties)."""
+    from .tree import ancestor_mask
+    case = GraphCase("accept_greedy", graph, dtype)
+    module = GreedyAcceptGraph().eval()
+
+    def add(label, logits, ids, mask):
+        feed = {"logits": logits, "input_ids": ids, "tree_mask": mask}
+        case.feeds.append(feed)
+        case.labels.append(label)
+        case.reference.append(_run(module, feed, ACCEPT_OUTPUTS))
+    for feed, ref, label in zip(target.feeds, target.reference, target.labels):
+        if label.startswith("real tree verification"):
+            T = feed["input_ids"].shape[1]
+            add(label, ref["logits"], feed["input_ids"], np.ascontiguousarray(feed["attention_mask"][:, :, -T:]))
+    gen = torch.Generator().manual_seed(seed)
+    B, n, V = 3, 9, 3
+    parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n + 1)]
+                            for _ in range(B)])
+    mask = torch.zeros(B, n + 2, n + 2, dtype=torch.bool)
+    mask[:, : n + 1, : n + 1] = ancestor_mask(parents, n + 1)
+    mask[:, n + 1, n + 1] = True                                    # a padding row sees only itself
+    logits = torch.randn(B, n + 2, V, generator=gen)
+    logits[:, ::2, 1] = logits[:, ::2, 0]                           # ties: the first maximum wins
+    add("random batch of 3 trees", _np(logits.to(torch.float32 if dtype == "float32" else torch.float16)),
+        _np(torch.randint(0, V, (B, n + 2), generator=gen)), _np(mask))
+    return case
+
+
 # ----------------------------------------------------------------------------- checking
 
 def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
@@ -336,6 +369,8 @@ def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, nu
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())])
             for c, p in zip(cases[0].reference[1::2], prompts)]
     cases += drafter_cases(drafter, shape, graphs, dtype, real)
+    if "accept_greedy" in graphs:
+        cases.append(accept_case(graphs["accept_greedy"], dtype, cases[0]))
     return [check_case(c, bundle_dir) for c in cases]
 
 

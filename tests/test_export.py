@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
-from eagle_trt.export import UnsupportedGraph, check_graph, export_drafter_step, export_drafter_tree, export_target
+from eagle_trt.export import (UnsupportedGraph, check_graph, export_accept_greedy, export_drafter_step,
+                              export_drafter_tree, export_target)
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
@@ -69,9 +70,12 @@ def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
     assert not check_case(case).passed
 
 
-def test_onnxruntime_decoder_equals_torch_decoder(exported):
+@pytest.mark.parametrize("acceptance", ["host", "graph"])
+def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance, tmp_path):
+    """Greedy acceptance on the host (torch) or in the greedy accept graph: the same tokens."""
     target, drafter, graphs = exported
-    ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings)
+    accept = export_accept_greedy(tmp_path / "accept.onnx").path if acceptance == "graph" else None
+    ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings, accept_graph=accept)
     ort_drafter = OrtDrafter(graphs["drafter_tree"], SHAPE)
     for seed in range(4):
         prompt = torch.randint(3, target.config.vocab_size, (9 + 11 * seed,),
@@ -85,6 +89,7 @@ def test_onnxruntime_decoder_equals_torch_decoder(exported):
         assert generate_autoregressive(ort_target, prompt, 40, []).tokens == ref.tokens
         unplanted = SpeculativeDecoder(ort_target, ort_drafter, []).generate(prompt, 40)
         assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
+    assert (ort_target.accept_seconds > 0) == (acceptance == "graph")
 
 
 def test_onnxruntime_target_keeps_its_bindings_and_returns_fresh_outputs(exported):

@@ -144,7 +144,9 @@ class TritonPythonModel:
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
-            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
+            accept = s["graphs"].get("accept_greedy")
+            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads,
+                                                                   accept_graph=folder / accept if accept else None)
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
         # One running batch per model instance: requests join it between iterations and leave it

@@ -8,19 +8,21 @@ from pathlib import Path
 from typing import TextIO
 
 from ..config import TreeShape
-from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
+from .onnx_export import ExportedGraph, export_accept_greedy, export_drafter_step, export_drafter_tree, export_target
 from .opcheck import UnsupportedGraph, check_graph
 
-__all__ = ["ExportedGraph", "UnsupportedGraph", "check_graph", "export_drafter_step", "export_drafter_tree",
-           "export_pipeline", "export_target"]
+__all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "export_accept_greedy",
+           "export_drafter_step", "export_drafter_tree", "export_pipeline", "export_target"]
 
 
-GRAPH_FORMAT = 3   # 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree; 3: step 0 lm_head on the last row only
+# 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree; 3: step 0 lm_head on
+# the last row only; 4: a tied lm_head reads the embedding table (stored once), the greedy accept graph
+GRAPH_FORMAT = 4
 
 
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
                     log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
-    """Export target + drafter-tree graphs (and optionally the single-step drafter graphs)
+    """Export target + drafter-tree + greedy-accept graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
     another tree shape re-exports only the drafter graph. Returns name -> path."""
@@ -33,7 +35,9 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     previous = json.loads(stamp.read_text()) if stamp.is_file() else {}
     jobs = {"target": (base, lambda p: export_target(models.target.model, p, dtype)),
             "drafter_tree": (dict(drafter_key, shape=[shape.depth, shape.top_k, shape.total_tokens]),
-                             lambda p: export_drafter_tree(models.drafter, shape, p, dtype))}
+                             lambda p: export_drafter_tree(models.drafter, shape, p, dtype)),
+            # no weights: one graph for any target and tree of this dtype
+            "accept_greedy": ({"dtype": dtype, "format": GRAPH_FORMAT}, lambda p: export_accept_greedy(p, dtype))}
     if step_graphs:
         jobs["drafter_step_first"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, True, dtype))
         jobs["drafter_step"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, False, dtype))

@@ -48,7 +48,7 @@ def save_graph(model: onnx.ModelProto, path: str | Path) -> list[Path]:
         data.unlink()   # onnx appends to an existing data file
     onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
               location=data.name, size_threshold=MIN_EXTERNAL_TENSOR)
-    return [path, data] if external else [path]
+    return [path, data] if data.exists() else [path]     # no data file when no tensor is large enough
 
 
 def install_graph(written: list[Path], dst: str | Path) -> None:

@@ -13,6 +13,11 @@ drafter tree:  captured [B,T,A*Ht], input_ids [B,T] i64, past_key, past_value [B
 drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,T,P+T], past_key,
                past_value -> logits [1,T,Vd], feedback [1,T,H], new_key, new_value
                (W = A*Ht for the first step, which applies fc; W = H for later steps)
+greedy accept: logits [B,T,V] (the target's, every row of a verification call), input_ids [B,T] i64
+               (root + tree tokens), tree_mask [B,T,T] bool (the new rows' block of attention_mask)
+           ->  accept_path [B,T] i64 (accepted rows, root first), accept_length [B] i64 (rows on the
+               path: the tokens the iteration adds), accept_tokens [B,T] i64 (the accepted drafts,
+               then the bonus token); verify.accept_greedy_batch, which the runtime runs otherwise
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget
 from ..tree import draft_trees
+from ..verify import accept_greedy_batch
 
 
 def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -80,3 +86,15 @@ class DrafterStepGraph(nn.Module):
             hidden = self.drafter.project(hidden)
         out = self.drafter(hidden, input_ids, position_ids, attention_mask, past_key, past_value)
         return out.logits, out.feedback, out.new_k, out.new_v
+
+
+ACCEPT_INPUTS = ["logits", "input_ids", "tree_mask"]
+ACCEPT_OUTPUTS = ["accept_path", "accept_length", "accept_tokens"]
+
+
+class GreedyAcceptGraph(nn.Module):
+    """Greedy acceptance of a batch of verified trees, where the logits are: only the paths and
+    their tokens (a few integers per sequence) leave the device, not [B, T, V] logits."""
+
+    def forward(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor):
+        return accept_greedy_batch(logits.argmax(-1), input_ids, tree_mask)

@@ -19,6 +19,7 @@ from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget
 from ..tree import DraftTree, draft_trees
+from ..verify import accept_greedy_batch
 from .kv_cache import CHUNK, KVCache
 
 
@@ -102,6 +103,12 @@ class TargetBackend(_Batched):
     def commit(self, rows: list[list[int]]) -> None:
         """Keep these staged rows of each sequence of the last forward, in order, as its next committed tokens."""
         self.cache.commit(rows)
+
+    def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Greedy acceptance of the trees a verification call just scored (verify.accept_greedy_batch
+        on the argmax of `logits` [b, T, V]), where the logits are; a backend with a compiled
+        acceptance graph runs that instead. Returns path [b, T], length [b], tokens [b, T]."""
+        return accept_greedy_batch(logits.argmax(-1), input_ids.to(logits.device), tree_mask.to(logits.device))
 
 
 class DrafterBackend(_Batched):

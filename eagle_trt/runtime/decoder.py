@@ -26,7 +26,7 @@ import torch
 from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
 from ..tree import DraftTree, rank_desc
-from ..verify import accept_greedy_batch, accept_sampled, sample_token
+from ..verify import accept_sampled, sample_token
 from .backend import DrafterBackend, TargetBackend
 from .cost import CostModel
 
@@ -248,8 +248,7 @@ class SpeculativeDecoder:
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once, one transfer of the paths and tokens
-        path_t, length_t, tokens_t = accept_greedy_batch(logits.argmax(-1).cpu(), ids, mask)
-        greedy = zip(path_t.tolist(), length_t.tolist(), tokens_t.tolist())
+        greedy = zip(*(t.tolist() for t in self.target.accept_greedy(logits, ids, mask)))
         node_ids = ids.tolist()
         for i, ((path, length, tokens), s, tree) in enumerate(zip(greedy, batch, trees)):
             sampling = s.request.sampling

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..export.graphs import DRAFT_TREE_OUTPUTS
+from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS
 from .backend import DrafterBackend, TargetBackend, tree_from_outputs
 from .kv_cache import CHUNK
 
@@ -116,8 +116,11 @@ class OrtTarget(_Timed, TargetBackend):
     need it, but FP8 activations turn such last-bit differences into different tokens."""
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
-                 **session_kwargs):
+                 accept_graph: str | Path | None = None, **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
+        # the greedy acceptance graph (export_accept_greedy), a handful of integer ops: one thread
+        self.acceptor = make_session(accept_graph, 1) if accept_graph is not None else None
+        self.accept_seconds = 0.0      # inside the acceptance graph (graph work, not host work; not a verify call)
         self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
@@ -159,6 +162,21 @@ class OrtTarget(_Timed, TargetBackend):
         bind_buffer(io, "captured", captured)
         self._run_graph(io)
         return logits, captured, staging[0], staging[1]
+
+
+    def accept_greedy(self, logits, input_ids, tree_mask):
+        if self.acceptor is None:
+            return super().accept_greedy(logits, input_ids, tree_mask)
+        io = self.acceptor.io_binding()
+        io.bind_cpu_input("logits", logits.contiguous().numpy())
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
+        io.bind_cpu_input("tree_mask", tree_mask.to(torch.bool).contiguous().numpy())
+        for name in ACCEPT_OUTPUTS:
+            io.bind_output(name, "cpu")
+        start = time.perf_counter()
+        self.acceptor.run_with_iobinding(io)
+        self.accept_seconds += time.perf_counter() - start
+        return tuple(torch.from_numpy(value.numpy()) for value in io.get_outputs())
 
 
 class OrtDrafter(_Timed, DrafterBackend):

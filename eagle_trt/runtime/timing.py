@@ -50,9 +50,10 @@ class OrtDecoding:
 
     @classmethod
     def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
-             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None
-             ) -> OrtDecoding:
-        target = target or OrtTarget(target_graph, max_context, threads)
+             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
+             accept_graph: str | Path | None = None) -> OrtDecoding:
+        """accept_graph: the greedy acceptance graph for the speculative target (else acceptance runs on the host)."""
+        target = target or OrtTarget(target_graph, max_context, threads, accept_graph=accept_graph)
         drafter = OrtDrafter(drafter_graph, shape, threads)
         plain = OrtTarget(target_graph, max_context, threads, spin=True)
         return cls(target, drafter, plain, SpeculativeDecoder(target, drafter, eos, vocab_size), eos)
