@@ -29,7 +29,6 @@ def share_tied_weights(model: onnx.ModelProto) -> list[str]:
     other node reads (a Gather: the embedding) holds exactly W transposed; every MatMul reading
     W then reads Transpose(E)."""
     graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.node:
         for slot, name in enumerate(node.input):
