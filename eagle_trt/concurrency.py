@@ -11,7 +11,8 @@ Per level and mode: total tokens/s (all streams together, wall clock; the median
 interleaved runs, since identical runs differ by ~5% on a shared CPU), per-request time per
 output token after the first (p50 / p99 over requests), time to first token (p50 / p99, queueing
 included), draft nodes verified per sequence and iteration (what the cost model chose; 0 =
-plain decoding), and whether every stream's tokens equal its own batch-1 run (greedy)."""
+plain decoding), host milliseconds per iteration in the batched modes (wall time outside graph
+calls, per decoder iteration), and whether every stream's tokens equal its own batch-1 run (greedy)."""
 from __future__ import annotations
 
 import copy
@@ -60,28 +61,40 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
     return results
 
 
+def graph_seconds(*backends) -> float | None:
+    """Seconds the backends spent inside graph calls so far (None: a backend does not count them)."""
+    if not all(hasattr(b, "graph_seconds") for b in backends if b is not None):
+        return None
+    return sum(b.graph_seconds + getattr(b, "accept_seconds", 0.0) for b in backends if b is not None)
+
+
 def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens,
-              warm: list[list[int]], plain_target=None) -> tuple[list[GenerationResult], float | None, float]:
-    """The results, the mean draft nodes verified per iteration (None: per-request mode) and the
-    seconds of the timed run. A batched decoder first decodes `warm` (held-out prompts, 32
+              warm: list[list[int]], plain_target=None
+              ) -> tuple[list[GenerationResult], float | None, float, float | None]:
+    """The results, the mean draft nodes verified per iteration (None: per-request mode), the
+    seconds of the timed run and the host milliseconds per iteration (wall time outside graph
+    calls; None in per-request mode, whose threads overlap). A batched decoder first decodes `warm` (held-out prompts, 32
     tokens, same batch size), as a server that has been running would have: the cost model's
     warm-up verifications and its first timings stay out of the measurement. plain_target: the
     session plain decoding runs on (its fastest setting, runtime/timing.py); default `target`."""
     if mode == "speculative-per-request":
         start = time.perf_counter()
         results = per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
-        return results, None, time.perf_counter() - start
+        return results, None, time.perf_counter() - start, None
     shape = drafter.shape
     if mode == "speculative-batched":
         decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
     else:
         decoder = SpeculativeDecoder(plain_target or target, None, eos, vocab_size)
+    backends = (decoder.target, decoder.drafter)
     decoder.generate_batch([Request(p, 32) for p in warm], max_batch=streams)
     decoder.verified.clear()
-    start = time.perf_counter()
+    graph0, start = graph_seconds(*backends), time.perf_counter()
     results = decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
-    return results, statistics.fmean(decoder.verified), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    host = None if graph0 is None else 1e3 * (seconds - graph_seconds(*backends) + graph0) / len(decoder.verified)
+    return results, statistics.fmean(decoder.verified), seconds, host
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
@@ -96,10 +109,10 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
         runs: dict[str, list] = {mode: [] for mode in MODES}
         for r in range(repeats):
             for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
-                results, nodes, seconds = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
-                                                    max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)],
-                                                    plain_target)
-                runs[mode].append((results, nodes, seconds))
+                results, nodes, seconds, host = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
+                                                          max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)],
+                                                          plain_target)
+                runs[mode].append((results, nodes, seconds, host))
                 print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
                       f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s", file=log, flush=True)
         for mode in MODES:
@@ -115,29 +128,32 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
 
 
 def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_tree: int) -> dict:
-    results = [x for rs, _, _ in runs for x in rs]
-    rates = [sum(len(x.tokens) for x in rs) / seconds for rs, _, seconds in runs]
+    results = [x for rs, *_ in runs for x in rs]
+    rates = [sum(len(x.tokens) for x in rs) / seconds for rs, _, seconds, _ in runs]
+    hosts = [h for *_, h in runs if h is not None]
     per_token = [1e3 * (x.token_times[-1] - x.token_times[0]) / (len(x.tokens) - 1) for x in results if len(x.tokens) > 1]
     first = [1e3 * x.token_times[0] for x in results if x.token_times]
-    nodes = [n for _, n, _ in runs if n is not None]
+    nodes = [n for _, n, _, _ in runs if n is not None]
     return {"streams": streams, "mode": mode, "requests": len(solo), "tokens": sum(len(x.tokens) for x in runs[0][0]),
-            "seconds": round(statistics.median(s for _, _, s in runs), 3),
+            "seconds": round(statistics.median(s for _, _, s, _ in runs), 3),
+            "host_ms_per_iteration": statistics.median(hosts) if hosts else None,
             "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": [round(r, 2) for r in rates],
             "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
             "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
             "mean_accept_length": statistics.fmean(a for x in results for a in x.accept_lengths or [1]),
             "mean_draft_nodes_verified": statistics.fmean(nodes) if nodes else nodes_per_tree,
-            "identical_to_solo": all(x.tokens == s for rs, _, _ in runs for x, s in zip(rs, solo))}
+            "identical_to_solo": all(x.tokens == s for rs, *_ in runs for x, s in zip(rs, solo))}
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'runs':>13}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'p50 ms/tok':>12}{'p99 ms/tok':>12}"
-            f"{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
+    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'runs':>13}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'host ms':>9}"
+            f"{'p50 ms/tok':>12}{'p99 ms/tok':>12}{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r['tokens_per_second_runs']):.0f}-{max(r['tokens_per_second_runs']):.0f}"
         lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{spread:>13}{r['vs_one_stream']:>6.2f}x"
                      f"{r['mean_accept_length']:>8.2f}{r['mean_draft_nodes_verified']:>7.2f}"
+                     f"{'-' if r['host_ms_per_iteration'] is None else format(r['host_ms_per_iteration'], '.2f'):>9}"
                      f"{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
                      f"{r['p50_first_token_ms']:>10.0f}{r['p99_first_token_ms']:>10.0f}"
                      f"{'yes' if r['identical_to_solo'] else 'NO':>6}")

@@ -129,6 +129,8 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     for r in rows:   # every stream equals its batch-1 run; 3 requests x 6 tokens (or EOS) each
         assert r["identical_to_solo"] and 0 < r["tokens"] <= 18 and r["tokens_per_second"] > 0
         assert 0 <= r["p50_token_latency_ms"] <= r["p99_token_latency_ms"]
+        host = r["host_ms_per_iteration"]
+        assert host is None if r["mode"] == "speculative-per-request" else 0 < host < 1e3 * r["seconds"]
         assert len(r["tokens_per_second_runs"]) == 2 and min(r["tokens_per_second_runs"]) <= r["tokens_per_second"]
     assert rows[0]["vs_one_stream"] == 1.0
     for name in ("speedup.png", "acceptance_per_depth.png", "concurrency.png"):
