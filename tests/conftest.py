@@ -3,6 +3,8 @@ SmolLM2-135M-Instruct target, real MT-bench prompts, and drafters that accept of
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,36 @@ def smollm2() -> LoadedTarget:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2):
     return smollm2.tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx_dir(smollm2, smollm2_tokenizer, tmp_path_factory) -> Path:
+    """SmolLM2's target graph, captured at the EAGLE default layers (those of every drafter the
+    tests use, the shipped ones included), and the greedy accept graph: exported once for every
+    test that runs SmolLM2 on ONNX Runtime, in export_pipeline's layout. Read it in place, or
+    give a CLI a copy (`onnx_dir_copy`), where export_pipeline finds them current."""
+    from eagle_trt.api import Models
+    from eagle_trt.checkpoints import random_drafter
+    from eagle_trt.config import TreeShape
+    from eagle_trt.export import export_pipeline
+    drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=64)
+    before = smollm2.model.capture
+    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
+    folder = tmp_path_factory.mktemp("smollm2_onnx")
+    export_pipeline(Models(smollm2, drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4), folder, log=None,
+                    only=("target", "accept_greedy"))
+    smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
+    return folder
+
+
+def onnx_dir_copy(shared: Path, dst: Path) -> Path:
+    """A folder of its own for a test that exports into it: the shared graphs hard-linked (an
+    export replaces a file by rename, never writes into a linked one) and export.json copied."""
+    dst.mkdir(parents=True)
+    for f in shared.iterdir():
+        if f.is_file():
+            (shutil.copy2 if f.name == "export.json" else os.link)(f, dst / f.name)
+    return dst
 
 
 @pytest.fixture(scope="session")

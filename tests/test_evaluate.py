@@ -8,6 +8,8 @@ import pytest
 from eagle_trt import evaluate, workloads
 from eagle_trt.config import ConfigError
 
+from conftest import onnx_dir_copy
+
 
 def test_depth_rates_by_hand():
     # accept lengths include the bonus token: drafts accepted = 0, 1, 3, 3, 5
@@ -95,7 +97,7 @@ def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path
 
 
 @pytest.mark.slow
-def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path, capsys):
+def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_onnx_dir, tmp_path, capsys):
     """transformers generate, autoregressive and speculative decoding on the exported graphs:
     identical greedy tokens, a time split that adds up, a cost breakdown whose break-even
     acceptance is the iteration cost in autoregressive steps, and the --tree auto sweep."""
@@ -104,7 +106,8 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, tmp_path
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
                      "--tree-candidates", "2,1,2;2,2,3", "--sweep-prompts", "1", "--threads", "1",
-                     "--onnx-dir", str(tmp_path / "onnx"), "--torch-row", "--device", "cpu",
+                     "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")), "--torch-row",
+                     "--device", "cpu",
                      "--concurrency", "1,2", "--concurrency-prompts", "3", "--concurrency-repeats", "2",
                      "--out", str(tmp_path / "out")])
     assert rc == 0

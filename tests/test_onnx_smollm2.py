@@ -10,12 +10,12 @@ import pytest
 from eagle_trt.api import Models
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
-from eagle_trt.export import export_drafter_tree, export_target
+from eagle_trt.export import export_drafter_tree
 from eagle_trt.generate import main as generate_main
 from eagle_trt.parity import run_parity
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
-from conftest import check_planted_greedy
+from conftest import check_planted_greedy, onnx_dir_copy
 
 SHAPES = {"chain": TreeShape.chain(5), "tree": TreeShape(depth=5, top_k=4, total_tokens=24)}
 pytestmark = pytest.mark.slow
@@ -27,11 +27,13 @@ def drafters(smollm2):
 
 
 @pytest.fixture(scope="module")
-def target_graph(smollm2, drafters, tmp_path_factory):
-    # Both drafters use the EAGLE default capture layers, so one target graph serves both.
+def target_graph(smollm2, drafters, smollm2_onnx_dir):
+    # Both drafters use the EAGLE default capture layers, so one target graph (the shared export) serves both.
     assert drafters["eagle3"].cfg.capture_for(smollm2.config) == drafters["eagle3.1"].cfg.capture_for(smollm2.config)
     smollm2.model.set_capture(drafters["eagle3"].cfg.capture_for(smollm2.config))
-    return export_target(smollm2.model, tmp_path_factory.mktemp("smol") / "target.onnx").path
+    assert list(smollm2.model.capture_streams) == json.loads((smollm2_onnx_dir / "export.json").read_text())[
+        "target"]["capture"]
+    return smollm2_onnx_dir / "target.onnx"
 
 
 def test_parity_report_on_smollm2(smollm2, smollm2_tokenizer, drafters, target_graph, tmp_path):
@@ -62,9 +64,9 @@ def test_onnxruntime_greedy_equals_transformers_generate(smollm2, drafters, targ
                          mtbench_ids, hf_greedy, smollm2.config.eos_token_ids, batch=3 if shape_name == "chain" else 8)
 
 
-def test_generate_cli_onnxruntime_backend(tmp_path, capsys):
+def test_generate_cli_onnxruntime_backend(tmp_path, capsys, smollm2_onnx_dir):
     args = ["--prompt", "What is 2 + 2?", "--chat", "--max-new-tokens", "16", "--depth", "3", "--tree-top-k", "2",
-            "--total-tokens", "5", "--json", "--onnx-dir", str(tmp_path / "graphs")]
+            "--total-tokens", "5", "--json", "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "graphs"))]
     assert generate_main(args + ["--backend", "onnxruntime"]) == 0
     ort = json.loads(capsys.readouterr().out)
     assert (tmp_path / "graphs" / "target.onnx").is_file() and (tmp_path / "graphs" / "drafter_tree.onnx").is_file()

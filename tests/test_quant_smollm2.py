@@ -39,7 +39,7 @@ def rel_l2(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2, smollm2_tokenizer, tmp_path_factory):
+def smol(smollm2, smollm2_tokenizer, smollm2_onnx_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("quant_smol")
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=4096)
     before = smollm2.model.capture
@@ -50,7 +50,7 @@ def smol(smollm2, smollm2_tokenizer, tmp_path_factory):
                                                         calibrate_target(smollm2.model, ids))),
             "drafter": load_calibration(save_calibration(folder / "drafter.amax.json",
                                                          calibrate_drafter(drafter, smollm2.model, ids, TREE)))}
-    graphs = {"target": export_target(smollm2.model, folder / "target.onnx").path,
+    graphs = {"target": smollm2_onnx_dir / "target.onnx",     # exported once for the session, same capture layers
               "drafter": export_drafter_tree(drafter, TREE, folder / "drafter.onnx").path}
     for name, model in (("target", smollm2.model), ("drafter", drafter)):
         quantize_onnx(graphs[name], folder / f"{name}.fp8.onnx", QuantConfig("fp8"), amax[name], linear_paths(model))
