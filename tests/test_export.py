@@ -191,3 +191,22 @@ def test_fp16_target_graph_runs_and_stays_close(tiny_target, tmp_path):
     assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
     ref32 = target_case(tiny_target.model, path, "float32", [list(range(3, 30))]).reference[1]["logits"]
     assert np.abs(case.reference[1]["logits"].astype(np.float32) - ref32).max() < 0.1
+
+
+def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):
+    """Graphs are reused while their key matches; a drafter with new weights under the same
+    source name (retrained into the same folder) gets a new drafter graph, the target's is kept."""
+    from eagle_trt.api import Models
+    from eagle_trt.export import export_pipeline
+    first = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    tiny_target.model.set_capture(first.cfg.capture_for(tiny_target.config))
+    shape = TreeShape(depth=2, top_k=2, total_tokens=3)
+
+    def export(drafter):
+        paths = export_pipeline(Models(tiny_target, drafter, "drafters/mine", None), shape, tmp_path, log=None)
+        return {name: p.stat().st_mtime_ns for name, p in paths.items()}
+    before = export(first)
+    assert export(first) == before                                     # nothing re-exported
+    after = export(random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48))
+    assert after["target"] == before["target"] and after["accept_greedy"] == before["accept_greedy"]
+    assert after["drafter_tree"] != before["drafter_tree"]

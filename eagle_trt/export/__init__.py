@@ -2,10 +2,13 @@
 single-step drafter graphs; plus the TensorRT op-set check."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import TextIO
+
+import torch
 
 from ..config import TreeShape
 from .onnx_export import ExportedGraph, export_accept_greedy, export_drafter_step, export_drafter_tree, export_target
@@ -20,6 +23,25 @@ __all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "
 GRAPH_FORMAT = 4
 
 
+def weights_digest(module: torch.nn.Module) -> str:
+    """A hash of a module's parameters and buffers (names, dtypes, shapes, bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _files_stamp(folder: Path) -> list:
+    """Name, size and modification time of each file in a checkpoint folder (hashing a large
+    target's weights on every run would cost seconds per GB)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()]
+
+
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
                     log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export target + drafter-tree + greedy-accept graphs (and optionally the single-step drafter graphs)
@@ -28,9 +50,10 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     another tree shape re-exports only the drafter graph. Returns name -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = {"target": str(models.target.folder), "dtype": dtype, "capture": list(models.target.model.capture_streams),
-            "format": GRAPH_FORMAT}
-    drafter_key = dict(base, drafter=models.drafter_source)
+    base = {"target": str(models.target.folder), "target_files": _files_stamp(models.target.folder), "dtype": dtype,
+            "capture": list(models.target.model.capture_streams), "format": GRAPH_FORMAT}
+    # the drafter's weights themselves: a drafter retrained into the same folder is re-exported
+    drafter_key = dict(base, drafter=models.drafter_source, drafter_weights=weights_digest(models.drafter))
     stamp = out_dir / "export.json"
     previous = json.loads(stamp.read_text()) if stamp.is_file() else {}
     jobs = {"target": (base, lambda p: export_target(models.target.model, p, dtype)),
