@@ -41,17 +41,17 @@ def share_tied_weights(model: onnx.ModelProto) -> list[str]:
     def matmul_weight_only(name: str) -> bool:
         return bool(readers.get(name)) and all(n.op_type == "MatMul" and slot == 1 for n, slot in readers[name])
 
-    tables = {}     # (dims of the transposed table, type) -> [(digest of E^T, E)]
+    weights = [w for w in graph.initializer if big_2d(w) and matmul_weight_only(w.name)]
+    wanted = {((w.dims[0], w.dims[1]), w.data_type) for w in weights}
+    tables = {}     # (dims of the transposed table, type) -> [(digest of E^T, E)], only where a weight could match
     for init in graph.initializer:
-        if big_2d(init) and readers.get(init.name) and not matmul_weight_only(init.name):
-            key = ((init.dims[1], init.dims[0]), init.data_type)
+        key = ((init.dims[1], init.dims[0]), init.data_type) if len(init.dims) == 2 else None
+        if key in wanted and big_2d(init) and readers.get(init.name) and not matmul_weight_only(init.name):
             tables.setdefault(key, []).append((_digest(numpy_helper.to_array(init).T), init))
     if not tables:
         return []
     dropped, transposes = [], []
-    for w in list(graph.initializer):
-        if not (big_2d(w) and matmul_weight_only(w.name)):
-            continue
+    for w in weights:
         candidates = tables.get(((w.dims[0], w.dims[1]), w.data_type), [])
         if not candidates:
             continue
