@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .runtime.cost import CostModel
 from .runtime.decoder import GenerationResult, Request, SpeculativeDecoder
+from .runtime.timing import graph_seconds
 
 MODES = ("speculative-batched", "autoregressive-batched", "speculative-per-request")
 
@@ -59,13 +60,6 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
     for t in threads:
         t.join()
     return results
-
-
-def graph_seconds(*backends) -> float | None:
-    """Seconds the backends spent inside graph calls so far (None: a backend does not count them)."""
-    if not all(hasattr(b, "graph_seconds") for b in backends if b is not None):
-        return None
-    return sum(b.graph_seconds + getattr(b, "accept_seconds", 0.0) for b in backends if b is not None)
 
 
 def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens,

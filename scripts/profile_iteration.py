@@ -19,19 +19,17 @@ from eagle_trt.api import prepare_models, real_prompt_ids
 from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
 from eagle_trt.export import export_pipeline
-from eagle_trt.runtime.timing import OrtDecoding
+from eagle_trt.runtime.timing import OrtDecoding, graph_seconds
 
 
 def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float, int]:
     """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the prompts."""
-    def graph_seconds() -> float:
-        return ort.target.graph_seconds + ort.target.accept_seconds + ort.drafter.graph_seconds
-    graph0 = graph_seconds()
+    graph0 = graph_seconds(ort.target, ort.drafter)
     start, iterations = time.perf_counter(), 0
     for ids in prompts:
         iterations += ort.speculative(ids, max_new_tokens).drafter_calls
     wall = time.perf_counter() - start
-    return wall, graph_seconds() - graph0, iterations
+    return wall, graph_seconds(ort.target, ort.drafter) - graph0, iterations
 
 
 def main(argv=None) -> int:

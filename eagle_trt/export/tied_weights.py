@@ -9,17 +9,11 @@ and TensorRT fold that Transpose when they load the graph: the file shrinks, the
 change (the copy is bit-identical, checked before it is dropped)."""
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 MIN_SHARED_ELEMENTS = 1024     # as MIN_EXTERNAL_TENSOR: smaller tables stay as they are
-
-
-def _digest(array: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=16).digest()
 
 
 def share_tied_weights(model: onnx.ModelProto) -> list[str]:
@@ -43,11 +37,11 @@ def share_tied_weights(model: onnx.ModelProto) -> list[str]:
 
     weights = [w for w in graph.initializer if big_2d(w) and matmul_weight_only(w.name)]
     wanted = {((w.dims[0], w.dims[1]), w.data_type) for w in weights}
-    tables = {}     # (dims of the transposed table, type) -> [(digest of E^T, E)], only where a weight could match
+    tables = {}     # (dims of the transposed table, type) -> tables E, only where a weight could match
     for init in graph.initializer:
         key = ((init.dims[1], init.dims[0]), init.data_type) if len(init.dims) == 2 else None
         if key in wanted and big_2d(init) and readers.get(init.name) and not matmul_weight_only(init.name):
-            tables.setdefault(key, []).append((_digest(numpy_helper.to_array(init).T), init))
+            tables.setdefault(key, []).append(init)
     if not tables:
         return []
     dropped, transposes = [], []
@@ -56,9 +50,7 @@ def share_tied_weights(model: onnx.ModelProto) -> list[str]:
         if not candidates:
             continue
         array = numpy_helper.to_array(w)
-        digest = _digest(array)
-        table = next((e for d, e in candidates if d == digest and np.array_equal(numpy_helper.to_array(e).T, array)),
-                     None)
+        table = next((e for e in candidates if np.array_equal(numpy_helper.to_array(e).T, array)), None)
         if table is None:
             continue
         out = f"{table.name}_transposed"

@@ -28,6 +28,14 @@ from .onnxruntime_backend import OrtDrafter, OrtTarget
 HOST_THREADS = 1
 
 
+def graph_seconds(*backends) -> float | None:
+    """Seconds the backends spent inside graph calls so far, the greedy accept graph included
+    (None: a backend does not count them); wall time minus this is host work."""
+    if not all(hasattr(b, "graph_seconds") for b in backends if b is not None):
+        return None
+    return sum(b.graph_seconds + getattr(b, "accept_seconds", 0.0) for b in backends if b is not None)
+
+
 @contextmanager
 def decoding_threads():
     """PyTorch at HOST_THREADS threads for the loop inside; the previous setting after it."""
@@ -72,4 +80,4 @@ class OrtDecoding:
             return generate_autoregressive(self.plain, ids, max_new_tokens, self.eos)
 
 
-__all__ = ["HOST_THREADS", "OrtDecoding", "decoding_threads"]
+__all__ = ["HOST_THREADS", "OrtDecoding", "decoding_threads", "graph_seconds"]
