@@ -24,11 +24,16 @@ $(STAMP): pyproject.toml requirements.txt requirements-nodeps.txt
 demo: setup
 	$(PY) -m eagle_trt.build.demo
 
+# Two pytest-xdist workers, one per core of the 2-core CI machine (each test process runs one
+# PyTorch thread); worksteal keeps both busy to the end of the minutes-long SmolLM2 tests.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST) --durations=25
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

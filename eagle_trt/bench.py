@@ -6,7 +6,8 @@
 Per workload, all at temperature 0 on the same prompts and the same machine:
 - `transformers`: AutoModelForCausalLM.generate (greedy, KV cache) on the same weights, on --device;
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
-- `speculative`: the drafter-tree graph plus one target-graph verification per iteration;
+- `speculative`: the drafter-tree graph (fp32, or int8 weights with --drafter-weights int8) plus
+  one target-graph verification per iteration;
 - `torch-autoregressive` / `torch-speculative` (with --torch-row, and always on CUDA): the same
   loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
@@ -56,19 +57,24 @@ def parse_tree(text: str) -> TreeShape:
     return TreeShape(*(int(x) for x in parts)).validate()
 
 
-def drafter_graph(models, shape: TreeShape, folder: Path) -> Path:
-    """The drafter-tree graph for `shape`, one folder per shape (exported once, then reused)."""
+DRAFTER_WEIGHTS = {"float32": "drafter_tree", "int8": "drafter_tree_int8"}
+
+
+def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32") -> Path:
+    """The drafter-tree graph for `shape` with fp32 or int8 weights (quant/cpu_int8.py), one
+    folder per shape (exported once, then reused)."""
     sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    return export_pipeline(models, shape, sub, log=sys.stderr, only=("drafter_tree",))["drafter_tree"]
+    name = DRAFTER_WEIGHTS[weights]
+    return export_pipeline(models, shape, sub, log=sys.stderr, only=(name,))[name]
 
 
 def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTarget, prompts: list[list[int]],
-                max_new_tokens: int, threads: int | None) -> list[dict]:
+                max_new_tokens: int, threads: int | None, weights: str = "float32") -> list[dict]:
     """Speculative tokens/s of each tree shape on the same target session and prompts (kept apart
     from the measured ones), fastest first. Only the drafter graph is exported per shape."""
     rows = []
     for shape in candidates:
-        drafter = OrtDrafter(drafter_graph(models, shape, folder), shape, threads)
+        drafter = OrtDrafter(drafter_graph(models, shape, folder, weights), shape, threads)
         decoder = SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size)
         with decoding_threads():
             decoder.generate(prompts[0], 8)
@@ -251,6 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
+    p.add_argument("--drafter-weights", choices=sorted(DRAFTER_WEIGHTS), default="float32",
+                   help="the ONNX Runtime drafter graph's weights: float32 (the exported graph) or int8 (per-channel "
+                        "int8 MatMul weights, a quarter of the bytes a memory-bound drafter call streams; the "
+                        "output stays the target's)")
     add_device_options(p)
     p.add_argument("--torch-row", action="store_true",
                    help="also time the PyTorch backend on --device (always done when the device is CUDA)")
@@ -296,10 +306,11 @@ def main(argv=None) -> int:
     tree_sweep = []
     if len(candidates) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)
-        tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads)
+        tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads,
+                                 args.drafter_weights)
     shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
     eos = models.eos_ids
-    ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder), shape,
+    ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
                            models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
                            threads, target=target)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
@@ -325,12 +336,14 @@ def main(argv=None) -> int:
                                              repeats=args.concurrency_repeats, plain_target=ort.plain)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
+              "drafter_weights": args.drafter_weights,
               "transformers_device": f"{device.type} {dtype}",
               "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{report['drafter_variant']} drafter, tree {tuple(report['tree'])}, {args.max_new_tokens} new tokens, "
+    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights), tree {tuple(report['tree'])}, "
+          f"{args.max_new_tokens} new tokens, "
           f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:
         print(format_table(results))

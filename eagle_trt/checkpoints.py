@@ -10,12 +10,14 @@ model.safetensors or pytorch_model.bin; written back in the SafeAILab layout.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,15 +200,34 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+@contextmanager
+def cache_lock(final: Path):
+    """Hold an exclusive lock on `final`'s cache entry (a `.lock` file beside it) while it is
+    produced, so that processes sharing the cache (two test workers, two builds) produce it once."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _converted(gguf, out: Path) -> Path:
+    """The cached conversion of the GGUF file gguf() in `out`, made once."""
+    if (out / "config.json").is_file():
+        return out
+    with cache_lock(out):
+        return out if (out / "config.json").is_file() else convert_gguf(gguf(), out)
+
+
 def resolve_target(spec: str | Path) -> Path:
     """'smollm2' | folder | .gguf file -> a Hugging Face style folder."""
     if str(spec) == "smollm2":
-        out = cache_dir() / "smollm2-135m-instruct"
-        return out if (out / "config.json").is_file() else convert_gguf(smollm2_gguf(), out)
+        return _converted(smollm2_gguf, cache_dir() / "smollm2-135m-instruct")
     path = Path(spec)
     if path.suffix == ".gguf":
-        out = cache_dir() / f"gguf-{path.stem}-{path.stat().st_size if path.exists() else 0}"
-        return out if (out / "config.json").is_file() else convert_gguf(path, out)
+        return _converted(lambda: path, cache_dir() / f"gguf-{path.stem}-{path.stat().st_size if path.exists() else 0}")
     if not path.exists():
         raise CheckpointError(f"{path}: target checkpoint not found (a folder, a .gguf file, or 'smollm2')")
     if not (path / "config.json").is_file():

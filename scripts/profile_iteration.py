@@ -45,11 +45,12 @@ def main(argv=None) -> int:
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree"))
+    graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree", "accept_greedy"))
     prompts = real_prompt_ids(models, args.prompts + 1)
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
-                           models.target.config.vocab_size, threads=args.threads)
+                           models.target.config.vocab_size, threads=args.threads,
+                           accept_graph=graphs["accept_greedy"])
     ort.warm_up(prompts[0])
     wall, graph, iterations = run(ort, prompts[1:], args.max_new_tokens)
     print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "

@@ -15,7 +15,9 @@ from eagle_trt.config import CaptureLayers, DrafterConfig
 from eagle_trt.data import mtbench_prompts
 from eagle_trt.models.drafter import EagleDrafter
 
-torch.set_num_threads(2)
+# One PyTorch thread per test process: `make test` runs two pytest-xdist workers, one per core
+# (several test modules set one thread at import anyway, which held for the whole session).
+torch.set_num_threads(1)
 
 
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -74,32 +76,39 @@ def smollm2_tokenizer(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smollm2_onnx_dir(smollm2, smollm2_tokenizer, tmp_path_factory) -> Path:
+def smollm2_onnx_dir(smollm2, smollm2_tokenizer) -> Path:
     """SmolLM2's target graph, captured at the EAGLE default layers (those of every drafter the
     tests use, the shipped ones included), and the greedy accept graph: exported once for every
     test that runs SmolLM2 on ONNX Runtime, in export_pipeline's layout. Read it in place, or
-    give a CLI a copy (`onnx_dir_copy`), where export_pipeline finds them current."""
+    give a CLI a copy (`onnx_dir_copy`), where export_pipeline finds them current. It lives in
+    the cache, exported under a lock: the second test worker (and the next run) finds it
+    current instead of exporting again."""
     from eagle_trt.api import Models
-    from eagle_trt.checkpoints import random_drafter
+    from eagle_trt.checkpoints import cache_dir, cache_lock, random_drafter
     from eagle_trt.config import TreeShape
     from eagle_trt.export import export_pipeline
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=64)
     before = smollm2.model.capture
     smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
-    folder = tmp_path_factory.mktemp("smollm2_onnx")
-    export_pipeline(Models(smollm2, drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4), folder, log=None,
-                    only=("target", "accept_greedy"))
+    folder = cache_dir() / "test-graphs" / "smollm2"
+    with cache_lock(folder):
+        export_pipeline(Models(smollm2, drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4), folder, log=None,
+                        only=("target", "accept_greedy"))
     smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
     return folder
 
 
 def onnx_dir_copy(shared: Path, dst: Path) -> Path:
     """A folder of its own for a test that exports into it: the shared graphs hard-linked (an
-    export replaces a file by rename, never writes into a linked one) and export.json copied."""
+    export replaces a file by rename, never writes into a linked one; copied where the cache is
+    on another file system) and export.json copied."""
     dst.mkdir(parents=True)
     for f in shared.iterdir():
-        if f.is_file():
-            (shutil.copy2 if f.name == "export.json" else os.link)(f, dst / f.name)
+        if f.is_file() and not f.name.startswith("."):
+            try:
+                (shutil.copy2 if f.name == "export.json" else os.link)(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
     return dst
 
 
@@ -124,15 +133,32 @@ def mtbench_ids(smollm2_tokenizer, mtbench) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy(smollm2, mtbench_ids) -> list[list[int]]:
+    """transformers' own greedy continuations of the prompts. Computed once per cache (about 2
+    minutes): both test workers need it, so the first computes it under a lock and the other
+    reads the file, keyed by everything that decides the tokens (library versions, the
+    checkpoint's files, the prompts, the length)."""
+    import hashlib
+    import transformers
     from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM.from_pretrained(str(smollm2.folder), dtype=torch.float32).eval()
+    from eagle_trt.checkpoints import cache_dir, cache_lock
+    from eagle_trt.export import _files_stamp
     eos = list(smollm2.config.eos_token_ids)
-    refs = []
-    with torch.no_grad():
-        for ids in mtbench_ids:
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-            refs.append(out[0, len(ids):].tolist())
+    key = json.dumps([transformers.__version__, torch.__version__, _files_stamp(smollm2.folder), mtbench_ids,
+                      NEW_TOKENS, eos])
+    path = cache_dir() / "test-references" / f"hf-greedy-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    with cache_lock(path):
+        if path.is_file():
+            return json.loads(path.read_text())
+        hf = LlamaForCausalLM.from_pretrained(str(smollm2.folder), dtype=torch.float32).eval()
+        refs = []
+        with torch.no_grad():
+            for ids in mtbench_ids:
+                out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+                refs.append(out[0, len(ids):].tolist())
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(refs))
+        os.replace(tmp, path)
     return refs
 
 

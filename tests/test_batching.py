@@ -206,8 +206,11 @@ def test_cost_model_choices_keep_outputs_identical(setup):
         model = _model(per_row=per_row, fixed=fixed, accepted=[1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
         for batch in range(1, 5):
             model.time_iteration(batch, 0, fixed + per_row * batch)
-        # keep the seeded costs and acceptance: the tiny model's real ones would decide otherwise
+        # keep the seeded costs and acceptance: the tiny model's real ones (and a loaded machine's
+        # drafter timings) would decide otherwise
         model.time_target = lambda rows, seconds, prefill=False: None
+        model.time_draft = lambda batch, new_rows, seconds: None
+        model.time_catch_up = lambda rows, seconds: None
         model.time_iteration = lambda batch, n, seconds: None
         model.observe = lambda ranks, verified: None
         decoder = SpeculativeDecoder(target, drafter, [], cost_model=model)

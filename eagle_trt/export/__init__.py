@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
+import onnx
 import torch
 
 from ..config import TreeShape
@@ -42,10 +44,20 @@ def _files_stamp(folder: Path) -> list:
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()]
 
 
+def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
+    """The int8-weight copy of a graph (quant/cpu_int8.py), with its time and ops for the log."""
+    from ..quant.cpu_int8 import quantize_int8      # the quant package imports the runtime, which imports us
+    start = time.perf_counter()
+    quantize_int8(src, dst)
+    model = onnx.load(str(dst), load_external_data=False)
+    return ExportedGraph(dst, time.perf_counter() - start, sorted({n.op_type for n in model.graph.node}))
+
+
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
                     log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export target + drafter-tree + greedy-accept graphs (and optionally the single-step drafter graphs)
-    into out_dir, skipping graphs whose recorded export key matches; `only` names a subset.
+    into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
+    may name `drafter_tree_int8` (the tree graph with int8 weights, made only when asked for).
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
     another tree shape re-exports only the drafter graph. Returns name -> path."""
     out_dir = Path(out_dir)
@@ -61,6 +73,11 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
                              lambda p: export_drafter_tree(models.drafter, shape, p, dtype)),
             # no weights: one graph for any target and tree of this dtype
             "accept_greedy": ({"dtype": dtype, "format": GRAPH_FORMAT}, lambda p: export_accept_greedy(p, dtype))}
+    if only is not None and "drafter_tree_int8" in only:
+        # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (quant/cpu_int8.py)
+        jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8"),
+                                     lambda p: _quantized_int8(out_dir / "drafter_tree.onnx", p))
+        only = (*only, "drafter_tree")     # quantized from it
     if step_graphs:
         jobs["drafter_step_first"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, True, dtype))
         jobs["drafter_step"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, False, dtype))

@@ -128,7 +128,7 @@ class DrafterBackend(_Batched):
         new_lengths = new_lengths or [T] * len(slots)
         tree, new_k, new_v = self._run(captured, input_ids, lengths, torch.tensor(new_lengths, dtype=torch.int64),
                                        slots, width)
-        self.cache.write([new_k], [new_v])
+        self.cache.write(new_k[None], new_v[None])   # the one cache layer, [1, b, T, Hkv, D]
         self.cache.commit([list(range(n)) for n in new_lengths])
         return tree
 

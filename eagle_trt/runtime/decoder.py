@@ -233,34 +233,38 @@ class SpeculativeDecoder:
         roots = [s.result.tokens[-1] for s in batch]
         if n > 0:
             full, catch_up = self._draft(batch)
-            trees = [full.row(i).top(n) for i in range(B)]
-        else:
-            trees = [_empty_tree("cpu")] * B
+        trees = {}    # sequence -> the (sub)tree it verifies, made where needed
+
+        def tree(i: int) -> DraftTree:
+            if i not in trees:
+                trees[i] = full.row(i).top(n) if n > 0 else _empty_tree("cpu")
+            return trees[i]
         lengths = torch.tensor(self.target.lengths)
         if n > 0 and n >= self.nodes:     # every node: the batch's trees as the drafter returned them
             ids = torch.cat((torch.tensor(roots)[:, None], full.tokens.cpu()), 1)
             positions, mask = lengths[:, None] + full.depths.cpu(), full.mask.cpu()
         else:
-            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees)])
-            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(trees)])
-            mask = torch.stack([t.mask.cpu() for t in trees])
+            trees = {i: tree(i) for i in range(B)}
+            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees.values())])
+            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in trees.items()])
+            mask = torch.stack([t.mask.cpu() for t in trees.values()])
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once, one transfer of the paths and tokens
         greedy = zip(*(t.tolist() for t in self.target.accept_greedy(logits, ids, mask)))
         node_ids = ids.tolist()
-        for i, ((path, length, tokens), s, tree) in enumerate(zip(greedy, batch, trees)):
+        for i, ((path, length, tokens), s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling
             if sampling.greedy:
                 path, new = path[:length], tokens[:length]
             else:
-                path, bonus = accept_sampled(tree, logits[i], sampling, s.gen)
+                path, bonus = accept_sampled(tree(i), logits[i], sampling, s.gen)
                 new = [node_ids[i][j] for j in path[1:]] + [bonus]
             paths.append(path)
             news.append(new)
             if self.cost_model is not None and n > 0:
-                ranks = rank_desc(tree.scores).tolist()
+                ranks = rank_desc(tree(i).scores).tolist()
                 self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)
         self.target.commit(paths)
         if self.cost_model is not None:

@@ -4,8 +4,10 @@ in, two graph calls per iteration.
 Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
 layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
 rows into a preallocated staging tensor, copied into each sequence's staged rows (B * T rows
-per layer). Those 4L bindings are made once per call shape and kept (`Bindings`): the past is
-bound at the cache's full capacity, so the shape changes only when the cache grows."""
+per layer). Those bindings (4L for the target, 4 for the drafter) are made once per call shape
+and kept (`Bindings`): the past is bound at the cache's full capacity, so the shape changes
+only when the cache grows. Every other output is written by the graph straight into a tensor
+allocated for the call (bound by address: nothing is copied out)."""
 from __future__ import annotations
 
 import time
@@ -21,6 +23,7 @@ from .backend import DrafterBackend, TargetBackend, tree_from_outputs
 from .kv_cache import CHUNK
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
+ONNX_TORCH_DTYPES = {**TORCH_DTYPES, "tensor(int64)": torch.int64, "tensor(bool)": torch.bool}
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
 
 
@@ -78,13 +81,15 @@ def bind_buffer(io: ort.IOBinding, name: str, buffer: torch.Tensor) -> None:
 
 
 class Bindings:
-    """Target-graph IOBindings kept from call to call, one per call shape (slots, new rows, past
-    width, cache buffers): the past inputs and the new-KV outputs, 4L bindings, are
-    made once per shape instead of once per call (rebinding them through Python was about half
-    of an iteration's host work). A shape's entry is dropped when the cache is reallocated."""
+    """IOBindings kept from call to call, one per call shape (slots, new rows, past width, cache
+    buffers): the past inputs and the new-KV outputs of every cache layer (4L for the target,
+    4 for the drafter) are bound once per shape instead of once per call (rebinding them
+    through Python was about half of an iteration's host work). A shape's entry is dropped
+    when the cache is reallocated. kv_names: per cache layer, the graph's (past key, past
+    value, new key, new value) names."""
 
-    def __init__(self, session: ort.InferenceSession, keep: int = 8):
-        self.session, self.keep = session, keep
+    def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], keep: int = 8):
+        self.session, self.kv_names, self.keep = session, kv_names, keep
         self.entries: dict[tuple, tuple[ort.IOBinding, torch.Tensor]] = {}
 
     def get(self, backend, slots: range, T: int, width: int) -> tuple[ort.IOBinding, torch.Tensor]:
@@ -97,14 +102,28 @@ class Bindings:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
             io = self.session.io_binding()
-            L = cache.k.shape[0]
-            staging = torch.empty((2, L, len(slots), T, *cache.k.shape[3:]), dtype=cache.k.dtype)
-            for i in range(L):
-                bind_past(io, backend, slots, width, i, (f"past_key_{i}", f"past_value_{i}"))
-                bind_buffer(io, f"new_key_{i}", staging[0, i])
-                bind_buffer(io, f"new_value_{i}", staging[1, i])
+            staging = torch.empty((2, len(self.kv_names), len(slots), T, *cache.k.shape[3:]), dtype=cache.k.dtype)
+            for i, (past_k, past_v, new_k, new_v) in enumerate(self.kv_names):
+                bind_past(io, backend, slots, width, i, (past_k, past_v))
+                bind_buffer(io, new_k, staging[0, i])
+                bind_buffer(io, new_v, staging[1, i])
             entry = self.entries[key] = (io, staging)
         return entry
+
+
+def output_buffers(specs: dict[str, tuple[torch.dtype, list]], io: ort.IOBinding, batch: int) -> dict[str, torch.Tensor]:
+    """Fresh tensors for outputs whose only free dimension is the batch (specs: name -> dtype,
+    shape with a name for the batch), bound to `io`: the graph writes into them, no copy out."""
+    out = {}
+    for name, (dtype, shape) in specs.items():
+        out[name] = torch.empty([batch if isinstance(d, str) else d for d in shape], dtype=dtype)
+        bind_buffer(io, name, out[name])
+    return out
+
+
+def fixed_output_specs(session: ort.InferenceSession, names) -> dict[str, tuple[torch.dtype, list]]:
+    outputs = {o.name: o for o in session.get_outputs()}
+    return {n: (ONNX_TORCH_DTYPES[outputs[n].type], list(outputs[n].shape)) for n in names}
 
 
 class OrtTarget(_Timed, TargetBackend):
@@ -131,7 +150,10 @@ class OrtTarget(_Timed, TargetBackend):
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
-        self.bindings = Bindings(self.session)
+        self.bindings = Bindings(self.session, [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}")
+                                                for i in range(self.num_layers)])
+        if self.acceptor is not None:   # one binding, its inputs and fresh outputs rebound per call
+            self.accept_io = self.acceptor.io_binding()
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
@@ -151,8 +173,8 @@ class OrtTarget(_Timed, TargetBackend):
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
         b, T = input_ids.shape
         io, staging = self.bindings.get(self, slots, T, width)
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
-        io.bind_cpu_input("position_ids", positions.numpy().astype(np.int64))
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
+        io.bind_cpu_input("position_ids", positions.numpy().astype(np.int64, copy=False))
         io.bind_cpu_input("attention_mask", mask.numpy())
         io.bind_cpu_input("logits_index", logits_index.numpy())
         # fresh each call: the caller may keep them past the next call
@@ -167,16 +189,19 @@ class OrtTarget(_Timed, TargetBackend):
     def accept_greedy(self, logits, input_ids, tree_mask):
         if self.acceptor is None:
             return super().accept_greedy(logits, input_ids, tree_mask)
-        io = self.acceptor.io_binding()
+        io = self.accept_io
         io.bind_cpu_input("logits", logits.contiguous().numpy())
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
         io.bind_cpu_input("tree_mask", tree_mask.to(torch.bool).contiguous().numpy())
-        for name in ACCEPT_OUTPUTS:
-            io.bind_output(name, "cpu")
+        b, T = input_ids.shape
+        path, tokens, length = torch.empty((b, T), dtype=torch.int64), torch.empty((b, T), dtype=torch.int64), \
+            torch.empty(b, dtype=torch.int64)
+        for name, buf in zip(ACCEPT_OUTPUTS, (path, length, tokens)):
+            bind_buffer(io, name, buf)
         start = time.perf_counter()
         self.acceptor.run_with_iobinding(io)
         self.accept_seconds += time.perf_counter() - start
-        return tuple(torch.from_numpy(value.numpy()) for value in io.get_outputs())
+        return path, length, tokens
 
 
 class OrtDrafter(_Timed, DrafterBackend):
@@ -194,20 +219,18 @@ class OrtDrafter(_Timed, DrafterBackend):
         if isinstance(nodes, int) and nodes != shape.total_tokens:
             raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
                              f"not {shape.total_tokens}; re-export it for this tree shape")
+        self.bindings = Bindings(self.session, [("past_key", "past_value", "new_key", "new_value")])
+        self.tree_outputs = fixed_output_specs(self.session, DRAFT_TREE_OUTPUTS[:5])
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
-        io = self.session.io_binding()
+        io, staging = self.bindings.get(self, slots, int(input_ids.shape[1]), width)
         io.bind_cpu_input("captured", captured.to(self.dtype).contiguous().numpy())
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64))
+        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
         io.bind_cpu_input("past_lengths", past_lengths.numpy())
         io.bind_cpu_input("new_lengths", new_lengths.numpy())
-        names = DRAFT_TREE_OUTPUTS
-        for name in names:
-            io.bind_output(name, "cpu")
-        bind_past(io, self, slots, width, 0, ("past_key", "past_value"))
+        out = output_buffers(self.tree_outputs, io, len(slots))   # fresh: a caller may keep its trees
         self._run_graph(io)
-        out = {name: torch.from_numpy(value.numpy()) for name, value in zip(names, io.get_outputs())}
-        return tree_from_outputs(out), out["new_key"], out["new_value"]
+        return tree_from_outputs(out), staging[0, 0], staging[1, 0]

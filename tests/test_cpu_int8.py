@@ -1,0 +1,61 @@
+"""The drafter-tree graph with int8 weights (quant/cpu_int8.py): every weight MatMul of every
+tree level reads int8, the graph is re-made only when its source graph changes, and speculative
+decoding with it on ONNX Runtime stays token-identical to the target's own greedy output."""
+from __future__ import annotations
+
+import onnx
+import torch
+
+from eagle_trt.api import Models
+from eagle_trt.checkpoints import random_drafter
+from eagle_trt.config import TreeShape
+from eagle_trt.export import export_pipeline
+from eagle_trt.quant.cpu_int8 import fold_weight_aliases
+from eagle_trt.runtime.backend import TorchTarget
+from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+
+SHAPE = TreeShape(depth=3, top_k=2, total_tokens=5)
+
+
+def _weight_matmuls(model: onnx.ModelProto) -> int:
+    initializers = {t.name for t in model.graph.initializer}
+    return sum(n.op_type == "MatMul" and n.input[1] in initializers for n in model.graph.node)
+
+
+def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target, tmp_path):
+    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    models = Models(tiny_target, drafter, "drafters/mine", None)
+    paths = export_pipeline(models, SHAPE, tmp_path, log=None, only=("target", "drafter_tree_int8"))
+    assert set(paths) == {"target", "drafter_tree", "drafter_tree_int8"}
+
+    source = onnx.load(str(paths["drafter_tree"]))
+    assert fold_weight_aliases(source) > 0            # later tree levels read the weights through Identity
+    weight_matmuls = _weight_matmuls(source)          # every level's linears, once aliases are folded
+    int8 = onnx.load(str(paths["drafter_tree_int8"]))
+    assert _weight_matmuls(int8) == 0
+    assert sum(n.op_type == "MatMulInteger" for n in int8.graph.node) == weight_matmuls
+    int8_weights = {t.name for t in int8.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    assert all(n.input[1] in int8_weights for n in int8.graph.node if n.op_type == "MatMulInteger")
+
+    target = OrtTarget(paths["target"], tiny_target.config.max_position_embeddings)
+    ort_int8 = OrtDrafter(paths["drafter_tree_int8"], SHAPE)
+    accepted = []
+    for seed in range(3):
+        prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate_autoregressive(TorchTarget(tiny_target.model), prompt, 30, [])
+        out = SpeculativeDecoder(target, ort_int8, []).generate(prompt, 30)
+        assert out.tokens == ref.tokens
+        accepted += out.accept_lengths
+    assert max(accepted) >= 2, "no int8 draft was ever accepted: the check would be vacuous"
+
+    stamps = {n: p.stat().st_mtime_ns for n, p in paths.items()}
+    export_pipeline(models, SHAPE, tmp_path, log=None, only=("drafter_tree_int8",))
+    assert paths["drafter_tree_int8"].stat().st_mtime_ns == stamps["drafter_tree_int8"]     # current: kept
+    retrained = Models(tiny_target, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
+                       "drafters/mine", None)
+    export_pipeline(retrained, SHAPE, tmp_path, log=None, only=("drafter_tree_int8",))
+    assert paths["drafter_tree_int8"].stat().st_mtime_ns != stamps["drafter_tree_int8"]
+    assert paths["target"].stat().st_mtime_ns == stamps["target"]
