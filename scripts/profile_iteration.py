@@ -4,8 +4,9 @@ graphs, batch 1, under cProfile, on MT-bench prompts.
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
-profiler) and the functions that take the most host time with it on (graph calls excluded).
-The profiler's own overhead inflates the second table, not the first number."""
+profiler), then the host time of each step of the loop (timers around its methods), then the
+functions that take the most host time under cProfile (graph calls excluded). The timers and
+the profiler inflate their own tables, not the first number."""
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,16 @@ import io
 import pstats
 import sys
 import time
+from contextlib import contextmanager
 
 from eagle_trt.api import prepare_models, real_prompt_ids
 from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
 from eagle_trt.export import export_pipeline
+from eagle_trt.runtime.backend import DrafterBackend, TargetBackend
+from eagle_trt.runtime.decoder import Sequence, SpeculativeDecoder
+from eagle_trt.runtime.kv_cache import KVCache
+from eagle_trt.runtime.onnxruntime_backend import OrtTarget
 from eagle_trt.runtime.timing import OrtDecoding, graph_seconds
 
 
@@ -30,6 +36,40 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int) -> tupl
         iterations += ort.speculative(ids, max_new_tokens).drafter_calls
     wall = time.perf_counter() - start
     return wall, graph_seconds(ort.target, ort.drafter) - graph0, iterations
+
+
+# (class, method, label): the loop's steps whose host time (wall minus graph time inside) is
+# reported; nested labels are parts of the one above them
+PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
+          (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
+          (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV write / commit"),
+          (TargetBackend, "_forward", "  verification: masks, bind, outputs, KV write"),
+          (OrtTarget, "accept_greedy", "  greedy acceptance: bind, outputs"),
+          (KVCache, "commit", "  KV commits (the target's; the drafter's, inside drafting)"),
+          (Sequence, "extend", "  streaming and stop checks")]
+
+
+@contextmanager
+def phase_timers(ort: OrtDecoding):
+    """Wrap the PHASES methods to add up their host time; yields label -> seconds."""
+    spent = {label: 0.0 for _, _, label in PHASES}
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in PHASES]
+
+    def timed(method, label):
+        def call(*args, **kwargs):
+            start, graph = time.perf_counter(), graph_seconds(ort.target, ort.drafter)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start - (graph_seconds(ort.target, ort.drafter) - graph)
+        return call
+    for cls, name, label in PHASES:
+        setattr(cls, name, timed(cls.__dict__[name], label))
+    try:
+        yield spent
+    finally:
+        for cls, name, method in saved:
+            setattr(cls, name, method)
 
 
 def main(argv=None) -> int:
@@ -55,6 +95,11 @@ def main(argv=None) -> int:
     wall, graph, iterations = run(ort, prompts[1:], args.max_new_tokens)
     print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "
           f"graph calls {1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms")
+    with phase_timers(ort) as spent:
+        run(ort, prompts[1:], args.max_new_tokens)
+    print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")
+    for label, seconds in spent.items():
+        print(f"  {label:62s} {1e3 * seconds / iterations:6.3f}")
     profiler = cProfile.Profile()
     profiler.enable()
     run(ort, prompts[1:], args.max_new_tokens)
