@@ -244,10 +244,10 @@ class SpeculativeDecoder:
             ids = torch.cat((torch.tensor(roots)[:, None], full.tokens.cpu()), 1)
             positions, mask = lengths[:, None] + full.depths.cpu(), full.mask.cpu()
         else:
-            trees = {i: tree(i) for i in range(B)}
-            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, trees.values())])
-            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in trees.items()])
-            mask = torch.stack([t.mask.cpu() for t in trees.values()])
+            subtrees = [tree(i) for i in range(B)]
+            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, subtrees)])
+            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(subtrees)])
+            mask = torch.stack([t.mask.cpu() for t in subtrees])
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
