@@ -67,9 +67,9 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
               ) -> tuple[list[GenerationResult], float | None, float, float | None]:
     """The results, the mean draft nodes verified per iteration (None: per-request mode), the
     seconds of the timed run and the host milliseconds per iteration (wall time outside graph
-    calls; None in per-request mode, whose threads overlap). A batched decoder first decodes `warm` (held-out prompts, 32
-    tokens, same batch size), as a server that has been running would have: the cost model's
-    warm-up verifications and its first timings stay out of the measurement. plain_target: the
+    calls; None in per-request mode, whose threads overlap). A batched decoder first decodes `warm` (held-out prompts,
+    as many tokens as the measured requests up to 32, same batch size), as a server that has been running would
+    have: the cost model's warm-up verifications and its first timings stay out of the measurement. plain_target: the
     session plain decoding runs on (its fastest setting, runtime/timing.py); default `target`."""
     if mode == "speculative-per-request":
         start = time.perf_counter()
@@ -82,7 +82,7 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
     else:
         decoder = SpeculativeDecoder(plain_target or target, None, eos, vocab_size)
     backends = (decoder.target, decoder.drafter)
-    decoder.generate_batch([Request(p, 32) for p in warm], max_batch=streams)
+    decoder.generate_batch([Request(p, min(32, max_new_tokens)) for p in warm], max_batch=streams)
     decoder.verified.clear()
     graph0, start = graph_seconds(*backends), time.perf_counter()
     results = decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
