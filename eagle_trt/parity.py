@@ -98,9 +98,17 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
+def _device(module: torch.nn.Module) -> torch.device:
+    """Where the module's weights are (the CPU for a module without any, e.g. greedy acceptance)."""
+    weight = next(module.parameters(), None)
+    return torch.device("cpu") if weight is None else weight.device
+
+
 def _run(module: torch.nn.Module, feed: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+    """The module's outputs on the feed, computed on the module's device, as numpy arrays."""
+    dev = _device(module)
     with torch.no_grad():
-        outs = module(*(torch.from_numpy(v) for v in feed.values()))
+        outs = module(*(torch.from_numpy(v).to(dev) for v in feed.values()))
     return {n: _np(o) for n, o in zip(names, outs)}
 
 
@@ -130,9 +138,10 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
     # Random: T random tokens after a past of P random tokens (the past KV is the model's own,
     # so activations have realistic magnitudes), with a random tree-like hole in the mask.
     T, P = 7, 13
+    dev = _device(model)
     with torch.no_grad():
-        prefix = model(torch.randint(0, cfg.vocab_size, (1, P), generator=gen), torch.arange(P)[None],
-                       causal_mask(P, 0), *model.empty_past())
+        prefix = model(torch.randint(0, cfg.vocab_size, (1, P), generator=gen).to(dev), torch.arange(P, device=dev)[None],
+                       causal_mask(P, 0, dev), *model.empty_past(device=dev))
     random_mask = causal_mask(T, P).clone()
     random_mask[0, 3, P + 1] = False
     add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None], random_mask,
@@ -149,9 +158,11 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
         from .tree import draft_tree
         k0, v0 = drafter.empty_past()
         with torch.no_grad():
-            tree, _, _ = draft_tree(drafter, torch.from_numpy(ref["captured"]).to(drafter.fc.weight.dtype),
-                                    torch.tensor([prompt[1:] + [int(ref["logits"][0, -1].argmax())]]), k0, v0,
-                                    tree_shape)
+            w = drafter.fc.weight
+            tree, _, _ = draft_tree(drafter, torch.from_numpy(ref["captured"]).to(w.device, w.dtype),
+                                    torch.tensor([prompt[1:] + [int(ref["logits"][0, -1].argmax())]], device=w.device),
+                                    k0, v0, tree_shape)
+            tree = tree.to("cpu")
         root = int(ref["logits"][0, -1].argmax())
         tids = torch.cat((torch.tensor([root]), tree.tokens))[None]
         mask = torch.cat((torch.ones(tree.size + 1, n, dtype=torch.bool), tree.mask), 1)[None]

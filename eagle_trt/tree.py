@@ -32,6 +32,9 @@ class DraftTree:
     def size(self) -> int:
         return int(self.tokens.shape[-1])
 
+    def to(self, device) -> "DraftTree":
+        return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.mask, self.depths, self.scores)))
+
     def row(self, b: int) -> "DraftTree":
         return DraftTree(self.tokens[b], self.parents[b], self.mask[b], self.depths[b], self.scores[b])
 

@@ -121,6 +121,23 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
         assert settings["max_tokens"] == 5
 
 
+def test_device_keys_calibration_and_parity_by_the_device_it_resolves_to(tiny, tmp_path):
+    """`device: cpu` where `auto` means the CPU reruns nothing; where auto means CUDA, the
+    calibration and parity (and what reads them) rerun on the CPU."""
+    out = copy_build(tiny, tmp_path)
+    m = build(config_from_dict(dict(tiny["data"], device="cpu"), "tiny.yaml"), out, log=None)
+    reran = {n for n, s in statuses(m).items() if s == "ran"}
+    assert reran == ({"quantize", "parity", "triton"} if torch.cuda.is_available() else set())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without a CUDA device")
+def test_device_cuda_without_a_gpu_stops_before_any_stage_runs(tiny, tmp_path):
+    cfg = write_config(tmp_path / "tiny.yaml", dict(tiny["data"], device="cuda"))
+    done = run_cli("--config", str(cfg), "--output", str(tmp_path / "out"))
+    assert_one_line_error(done, "tiny.yaml: device:", "PyTorch sees no CUDA device")
+    assert not (tmp_path / "out" / "validate").exists()
+
+
 def run_cli(*args, env=None, **kwargs):
     return subprocess.run([sys.executable, "-m", "eagle_trt.build", *args], capture_output=True, text=True,
                           check=False, env=env or ENV, cwd=ROOT, timeout=600, **kwargs)

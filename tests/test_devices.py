@@ -149,3 +149,18 @@ def test_training_logs_five_ttt_steps_and_learns_on_cpu(tiny, autocast):
 def test_training_on_cuda_with_bf16_autocast_learns(tiny):
     log = _train_steps(tiny, "bf16", "cuda")
     assert log[-1]["loss"] < log[0]["loss"]
+
+
+@needs_cuda
+def test_build_calibrates_and_checks_parity_on_cuda(tmp_path):
+    """`device: cuda` in a build config: calibration, the fake-quant reference and parity's
+    PyTorch references run on the GPU, and the FP8 build's parity stage passes."""
+    import json
+
+    from eagle_trt.build import build, config_from_dict
+    from test_build_support import tiny_config, write_tiny_target
+    data = tiny_config(write_tiny_target(tmp_path / "target"), precision={"target": {"format": "fp8", "base": "fp32"}})
+    m = build(config_from_dict(dict(data, device="cuda"), "tiny.yaml"), tmp_path / "out", log=None)
+    assert m.data["status"] == "ok"
+    report = json.loads((tmp_path / "out" / "parity" / "report.json").read_text())
+    assert report["passed"] and report["quantized"]["target"]["passed"]

@@ -40,7 +40,7 @@ def run_parity_stage(b, out: Path) -> dict:
         report_json,
         target_case,
     )
-    cfg, models = b.cfg, b.models
+    cfg, models = b.cfg, b.models_on(b.device)     # the PyTorch references on the config's device
     shape = cfg.tree.shape
     tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
     graphs = {g: b.path("export", f"{g}.onnx") for g in ("target", "drafter_tree", "accept_greedy")}

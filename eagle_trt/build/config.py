@@ -183,6 +183,9 @@ class OutputsSection:
 @dataclass(frozen=True)
 class BuildConfig:
     name: str = "smollm2-eagle3.1"
+    # Where the PyTorch side runs: calibration, the fake-quant reference and parity's reference
+    # outputs (export traces on the CPU). auto: CUDA when PyTorch sees a GPU, else the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     target: TargetSection = TargetSection()
     drafter: DrafterSection = DrafterSection()
     tree: TreeSection = TreeSection()

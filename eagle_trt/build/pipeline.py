@@ -158,6 +158,22 @@ class Build:
         return json.loads(self.path("validate", "resolved.json").read_text())
 
     @property
+    def device(self):
+        """The resolved config `device` (a torch.device); 'cuda' without a GPU is a config error."""
+        from ..devices import resolve_device
+        try:
+            return resolve_device(self.cfg.device)
+        except ConfigError as exc:
+            raise BuildConfigError(f"{self.cfg.source}: device: {exc}") from None
+
+    def models_on(self, device):
+        """The models, moved to `device` (in place: one copy of the weights, wherever it is)."""
+        m = self.models
+        m.target.model.to(device)
+        m.drafter.to(device)
+        return m
+
+    @property
     def models(self):
         if self._models is None:
             from ..api import prepare_models
@@ -226,6 +242,7 @@ class Build:
             self.say(f"  target {folder} ({tcfg.num_hidden_layers} layers); drafter {label} ({dcfg.variant}); "
                      f"captured {capture['convention']} ids {capture['layer_ids']} ({capture['source']})")
             return data
+        self.say(f"  PyTorch side of calibration and parity on {self.device} (config device: {cfg.device})")
         # Validation is cheap and must hold for this very config, so it runs whatever --stages says.
         return self.run("validate", True, key, run)
 
@@ -262,7 +279,7 @@ class Build:
                "step_graphs": cfg.outputs.step_graphs, "format": GRAPH_FORMAT}
 
         def run(tmp: Path) -> dict:
-            m, shape = self.models, cfg.tree.shape
+            m, shape = self.models_on("cpu"), cfg.tree.shape      # traced on the CPU: the graph is the same
             tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
             jobs = [("target", lambda p: export_target(m.target.model, p, tdt)),
                     ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt)),
@@ -286,12 +303,12 @@ class Build:
         skip = None if any(getattr(cfg.precision, n).quantized for n in fmts) else \
             f"precision is target {fmts['target']}, drafter {fmts['drafter']}: nothing to quantize"
         key = {"upstream": self.upstream("quantize"), "precision": cfg.section("precision"),
-               "calibration": cfg.section("calibration"), "tree": cfg.section("tree")}
+               "calibration": cfg.section("calibration"), "tree": cfg.section("tree"), "device": self.device.type}
 
         def run(tmp: Path) -> dict:
             from .quantize import quantize_graphs
             graphs = {g: self.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
-            return quantize_graphs(self.models, graphs, cfg, tmp, self.log)
+            return quantize_graphs(self.models_on(self.device), graphs, cfg, tmp, self.log)
         if skip is None:
             self.need("quantize", selected, "export")
         return self.run("quantize", selected, key, run, skip)
@@ -313,7 +330,7 @@ class Build:
     def parity(self, selected: bool) -> StageResult:
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
-               "precision": cfg.section("precision")}
+               "precision": cfg.section("precision"), "device": self.device.type}
         skip = None if cfg.parity.enabled else "parity.enabled is false in the config"
 
         def run(tmp: Path) -> dict:

@@ -77,9 +77,11 @@ def _recording(model: nn.Module):
 
 
 def _target_pass(target: LlamaTarget, ids: list[int]):
-    n = len(ids)
-    past_k, past_v = target.empty_past()
-    return target(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), past_k, past_v)
+    """A prefill of `ids` on the target's device."""
+    n, dev = len(ids), target.embed_tokens.weight.device
+    past_k, past_v = target.empty_past(device=dev)
+    return target(torch.tensor([ids], device=dev), torch.arange(n, device=dev)[None], causal_mask(n, 0, dev),
+                  past_k, past_v)
 
 
 def calibrate_target(target: LlamaTarget, prompts: list[list[int]],
@@ -104,14 +106,15 @@ def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[
     capture layers are set to the drafter's (as prepare_models does)."""
     target.set_capture(drafter.cfg.capture_for(target.cfg))
     shape = shape.validate(drafter.cfg.draft_vocab_size)
-    dtype = drafter.fc.weight.dtype
+    w = drafter.fc.weight
     with _recording(drafter) as rec:
         for ids in prompts:
             with torch.inference_mode():
                 out = _target_pass(target, ids)
             next_id = int(out.logits[0, -1].argmax())
             pk, pv = drafter.empty_past()
-            draft_tree(drafter, out.captured.to(dtype), torch.tensor([ids[1:] + [next_id]]), pk, pv, shape)
+            draft_tree(drafter, out.captured.to(w.device, w.dtype), torch.tensor([ids[1:] + [next_id]], device=w.device),
+                       pk, pv, shape)
             if on_prompt is not None:
                 on_prompt()
     return dict(sorted(rec.amax.items()))

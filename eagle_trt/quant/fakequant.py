@@ -36,11 +36,11 @@ class QuantLinear(nn.Module):
         if fmt == "fp8":
             q, scale = fp8_weight(w, per_channel)
             dq = fp8_dequantize(q, scale[:, None] if per_channel else scale)
-            self.register_buffer("input_scale", fp8_scale(self.input_amax))
+            self.register_buffer("input_scale", fp8_scale(self.input_amax).to(w.device))
         else:
             codes, sb8, g = nvfp4_weight(w)
             dq = nvfp4_dequantize(codes, sb8, g, axis=1)
-            self.register_buffer("input_scale", nvfp4_global_scale(self.input_amax))
+            self.register_buffer("input_scale", nvfp4_global_scale(self.input_amax).to(w.device))
         # The dequantized weight is what the graph's weight DQ produces (constant per layer).
         self.register_buffer("weight", dq.to(w.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
