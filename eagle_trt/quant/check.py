@@ -11,7 +11,9 @@ QuantLinear applied to the graph's own input of that layer. A wrong scale, axis,
 rounding rule or packing shows up there as a large error; float noise stays ~1e-7."""
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -19,6 +21,7 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+from ..export.graph_files import save_graph
 from .config import QuantError
 from .fakequant import QuantLinear
 from .onnx_qdq import module_for_node
@@ -75,8 +78,10 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
             model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
     if is_nvfp4_graph(model):
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
-    else:
-        values = dict(zip(names, fp8_session(model.SerializeToString(), threads).run(names, feeds)))
+    else:   # from a file, as the build writes graphs: a target past 2 GB cannot be one serialized protobuf
+        with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
+            probe = save_graph(model, Path(tmp) / "probe.onnx")[0]
+            values = dict(zip(names, fp8_session(probe, threads).run(names, feeds)))
     report = []
     for node, quantizer in pairs:
         source = quantizer.input[0]
