@@ -334,7 +334,16 @@ def save_drafter(drafter: EagleDrafter, folder: str | Path) -> Path:
 def random_drafter(target: LoadedTarget, variant: str = "eagle3.1", seed: int = 0,
                    draft_vocab_size: int | None = None, std: float = 0.02) -> EagleDrafter:
     """An untrained drafter that fits `target`, for plumbing and tests (acceptance will be low)."""
-    t = target.config
+    drafter = random_drafter_for(target.config, variant, seed, draft_vocab_size, std)
+    drafter.embed_tokens.weight = target.model.embed_tokens.weight
+    return drafter
+
+
+def random_drafter_for(t: TargetConfig, variant: str = "eagle3.1", seed: int = 0, draft_vocab_size: int | None = None,
+                       std: float = 0.02) -> EagleDrafter:
+    """random_drafter from the target's config alone (its weights not loaded): marked as sharing
+    the target's embedding, which save_drafter leaves out and load_drafter takes from the
+    target, so a saved copy is the drafter random_drafter makes with the same arguments."""
     if variant not in ("eagle3", "eagle3.1"):
         raise ConfigError(f"drafter variant must be 'eagle3' or 'eagle3.1', got {variant!r}")
     is31 = variant == "eagle3.1"
@@ -359,6 +368,5 @@ def random_drafter(target: LoadedTarget, variant: str = "eagle3.1", seed: int = 
             drafter.d2t.copy_(used - torch.arange(dcfg.draft_vocab_size))
             drafter.t2d.zero_()
             drafter.t2d[used] = True
-    drafter.embed_tokens.weight = target.model.embed_tokens.weight
     drafter.embed_shared = True
     return drafter.eval()

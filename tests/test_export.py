@@ -210,3 +210,39 @@ def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp
     after = export(random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48))
     assert after["target"] == before["target"] and after["accept_greedy"] == before["accept_greedy"]
     assert after["drafter_tree"] != before["drafter_tree"]
+
+
+def test_a_graph_past_2gb_keeps_its_weights_out_of_memory_and_in_one_file(tmp_path):
+    """What the exporter writes past 2 GB (one file per tensor) is loaded without its weights
+    and copied tensor by tensor into `<graph>.data`, a tied lm_head copy dropped on the way
+    (read from the files, not from memory): the result computes what the original did."""
+    import onnxruntime as ort
+
+    from eagle_trt.export.graph_files import graph_files, save_graph
+    from eagle_trt.export.tied_weights import share_tied_weights
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((64, 32)).astype(np.float32)
+    w1 = rng.standard_normal((32, 32)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"]),
+             helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("MatMul", ["h", "lm_head"], ["logits"])]
+    inits = [onnx.numpy_helper.from_array(a, n) for a, n in ((table, "table"), (w1, "w1"), (table.T.copy(), "lm_head"))]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 64])], inits),
+        opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    src = tmp_path / "exporter"
+    src.mkdir()
+    onnx.save(model, str(src / "g.onnx"), save_as_external_data=True, all_tensors_to_one_file=False,
+              size_threshold=0)
+    assert len(list(src.iterdir())) == 4              # the graph and one file per tensor
+    loaded = onnx.load(str(src / "g.onnx"), load_external_data=False)
+    assert share_tied_weights(loaded, src) == ["lm_head"]
+    out = tmp_path / "out" / "g.onnx"
+    out.parent.mkdir()
+    written = save_graph(loaded, out, source_dir=src)
+    assert written == [out, out.with_name("g.onnx.data")] == graph_files(out)
+    assert out.with_name("g.onnx.data").stat().st_size == table.nbytes + w1.nbytes
+    ids = np.array([3, 17, 63], dtype=np.int64)
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    np.testing.assert_allclose(got, table[ids] @ w1 @ table.T, rtol=1e-5, atol=1e-5)

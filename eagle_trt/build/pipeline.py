@@ -210,11 +210,9 @@ class Build:
             nonlocal drafter
             label = str(drafter)
             if drafter is None:   # no trained drafter for this target: an untrained one, reproducibly
-                from ..checkpoints import load_target, random_drafter, save_drafter
-                target = load_target(folder)
-                d = random_drafter(target, cfg.drafter.random_variant,
-                                   draft_vocab_size=min(8192, target.config.vocab_size))
-                drafter = save_drafter(d, tmp / "drafter")
+                from ..checkpoints import random_drafter_for, save_drafter
+                d = random_drafter_for(tcfg, cfg.drafter.random_variant, draft_vocab_size=min(8192, tcfg.vocab_size))
+                drafter = save_drafter(d, tmp / "drafter")     # the target's weights are not loaded for it
                 label = f"random {cfg.drafter.random_variant} (untrained)"
             dcfg = DrafterConfig.from_hf(read_json(drafter / "config.json"), str(drafter / "config.json"))
             check_drafter_fits(dcfg, tcfg)

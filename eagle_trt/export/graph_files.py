@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import EncodeError
 from onnx.external_data_helper import uses_external_data
 
 # Graphs whose protobuf would pass this many bytes keep their weights in `name.onnx.data`
@@ -38,17 +39,61 @@ def data_file_name(graph: Path) -> str:
     return f"{Path(graph).name}.data"
 
 
-def save_graph(model: onnx.ModelProto, path: str | Path) -> list[Path]:
-    """Write `model` (its weights in memory) to `path`, with its weights in `path.data` when the
-    graph is past the threshold; returns the files written (the graph first)."""
+def proto_bytes(model: onnx.ModelProto) -> int:
+    """The serialized size, or 2 GiB where protobuf refuses to size a message that large."""
+    try:
+        return model.ByteSize()
+    except EncodeError:
+        return 1 << 31
+
+
+def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path | None = None) -> list[Path]:
+    """Write `model` to `path`, with its weights in `path.data` when the graph is past the
+    threshold; returns the files written (the graph first).
+
+    source_dir: `model` was loaded without its external data (onnx.load(...,
+    load_external_data=False)) from a graph in this folder, e.g. the exporter's one file per
+    tensor: those tensors are copied one at a time into `path.data`, so the weights are never
+    all in memory (a real-size target would otherwise be, once more, beside the PyTorch model)."""
     path = Path(path)
-    external = model.ByteSize() > external_data_threshold()
     data = path.with_name(data_file_name(path))
     if data.exists():
         data.unlink()   # onnx appends to an existing data file
+    if source_dir is not None and any(uses_external_data(t) for t in _tensors(model)):
+        _copy_external_data(model, Path(source_dir), data)
+        onnx.save(model, str(path))
+        return [path, data]
+    external = proto_bytes(model) > external_data_threshold()
     onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
               location=data.name, size_threshold=MIN_EXTERNAL_TENSOR)
     return [path, data] if data.exists() else [path]     # no data file when no tensor is large enough
+
+
+def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, chunk: int = 64 << 20) -> None:
+    """Append every external tensor of `model` (read from source_dir) to `data`, in chunks, and
+    point the tensor there."""
+    offset = 0
+    with open(data, "wb") as out:
+        for tensor in _tensors(model):
+            if not uses_external_data(tensor):
+                continue
+            info = {e.key: e.value for e in tensor.external_data}
+            src = source_dir / info["location"]
+            start, length = int(info.get("offset", 0)), info.get("length")
+            left = int(length) if length is not None else src.stat().st_size - start
+            size = left
+            with open(src, "rb") as f:
+                f.seek(start)
+                while left:
+                    block = f.read(min(chunk, left))
+                    if not block:
+                        raise GraphFileError(f"{src}: ends before the {size} bytes tensor {tensor.name!r} needs")
+                    out.write(block)
+                    left -= len(block)
+            del tensor.external_data[:]
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(size))):
+                tensor.external_data.add(key=key, value=value)
+            offset += size
 
 
 def install_graph(written: list[Path], dst: str | Path) -> None:
@@ -103,4 +148,4 @@ def check_graph_files(path: str | Path) -> None:
 
 
 __all__ = ["EXTERNAL_DATA_BYTES", "GraphFileError", "check_graph_files", "data_file_name", "external_data_threshold",
-           "external_references", "graph_files", "install_graph", "save_graph"]
+           "external_references", "graph_files", "install_graph", "proto_bytes", "save_graph"]

@@ -52,18 +52,20 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
             torch.onnx.export(module, args, str(tmp_file), input_names=inputs, output_names=outputs,
                               dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
                               do_constant_folding=True)
-        graph = onnx.load(str(tmp_file))   # with the exporter's external data, one file per tensor, if any
+        # Past 2 GB the exporter writes one file per tensor: the weights stay there (not loaded)
+        # and are copied tensor by tensor into the graph's one data file.
+        graph = onnx.load(str(tmp_file), load_external_data=False)
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():
                 out.type.tensor_type.shape.dim[axis].dim_value = size
-        share_tied_weights(graph)                 # a tied lm_head reads the embedding table, not a copy
-        for f in tmp.iterdir():
-            f.unlink()
-        written = save_graph(graph, tmp_file)     # the graph, and its weights in one named file when large
+        share_tied_weights(graph, tmp)            # a tied lm_head reads the embedding table, not a copy
+        final = tmp / "out" / path.name
+        final.parent.mkdir()
+        written = save_graph(graph, final, source_dir=tmp)   # the graph, and its weights in one named file when large
         del graph
-        onnx.checker.check_model(str(tmp_file))
-        ops = sorted({n.op_type for n in onnx.load(str(tmp_file), load_external_data=False).graph.node})
-        check_graph(str(tmp_file))
+        onnx.checker.check_model(str(final))
+        ops = sorted({n.op_type for n in onnx.load(str(final), load_external_data=False).graph.node})
+        check_graph(str(final))
         install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

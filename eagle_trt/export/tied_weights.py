@@ -9,6 +9,8 @@ and TensorRT fold that Transpose when they load the graph: the file shrinks, the
 change (the copy is bit-identical, checked before it is dropped)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -16,8 +18,9 @@ from onnx import helper, numpy_helper
 MIN_SHARED_ELEMENTS = 1024     # as MIN_EXTERNAL_TENSOR: smaller tables stay as they are
 
 
-def share_tied_weights(model: onnx.ModelProto) -> list[str]:
-    """Rewrite `model` in place; returns the names of the dropped copies.
+def share_tied_weights(model: onnx.ModelProto, base_dir: str | Path | None = None) -> list[str]:
+    """Rewrite `model` in place; returns the names of the dropped copies. base_dir: where the
+    weights of a model loaded without its external data are (only the candidates are read).
 
     A MatMul weight W [in, out] is dropped when a table E [out, in] of the same type that some
     other node reads (a Gather: the embedding) holds exactly W transposed; every MatMul reading
@@ -49,8 +52,9 @@ def share_tied_weights(model: onnx.ModelProto) -> list[str]:
         candidates = tables.get(((w.dims[0], w.dims[1]), w.data_type), [])
         if not candidates:
             continue
-        array = numpy_helper.to_array(w)
-        table = next((e for e in candidates if np.array_equal(numpy_helper.to_array(e).T, array)), None)
+        base = str(base_dir) if base_dir is not None else ""
+        array = numpy_helper.to_array(w, base)
+        table = next((e for e in candidates if np.array_equal(numpy_helper.to_array(e, base).T, array)), None)
         if table is None:
             continue
         out = f"{table.name}_transposed"

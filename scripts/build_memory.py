@@ -1,0 +1,140 @@
+"""Peak resident memory of `python -m eagle_trt.build` against the target's weight bytes, on a
+synthetic real-size checkpoint (issue 21: an 8B build must fit a 32 GB host).
+
+    python scripts/build_memory.py [--out ~/build-memory] [--precisions fp32,fp16,fp8] [--threads 2]
+
+Writes a random Llama with `transformers` (default: the 0.83 B shape of issue 21, hidden 2048,
+12 layers, GQA 32 / 8, intermediate 8192, tied embeddings, SmolLM2's tokenizer, bf16
+safetensors in ~500 MB shards; made once and reused), then builds it once per precision (the
+target in that precision, a random EAGLE 3.1 drafter, the default tree, parity on 1 prompt,
+no engines, FP8 calibrated on 4 prompts), each in a fresh interpreter whose own peak RSS
+(getrusage) is the number. Prints a table and writes `memory.json` into --out."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(hidden_size=2048, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=8192, tie_word_embeddings=True)
+# Runs the build CLI in this interpreter and reports its own peak RSS (the build starts no processes).
+PROBE = """
+import json, resource, runpy, sys, threading, time
+sys.argv = ["eagle_trt.build"] + sys.argv[1:]
+start = time.time()
+
+def sample():   # RSS every 5 s into the log, between the stages' progress lines
+    while True:
+        time.sleep(5)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+        print(f"[rss {rss / 1e9:.2f} GB at {time.time() - start:.0f} s]", file=sys.stderr, flush=True)
+threading.Thread(target=sample, daemon=True).start()
+code = 0
+try:
+    runpy.run_module("eagle_trt.build", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code or 0
+except BaseException:   # a crash still reports how far memory got
+    import traceback
+    traceback.print_exc()
+    code = 1
+print("MEMORY " + json.dumps({"exit": code, "seconds": time.time() - start,
+                              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def write_checkpoint(folder: Path) -> Path:
+    """A random Llama of SHAPE with SmolLM2's tokenizer files, bf16 safetensors shards."""
+    if (folder / "config.json").is_file():
+        return folder
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_trt.checkpoints import resolve_target
+    smol = resolve_target("smollm2")
+    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, **SHAPE)
+    torch.manual_seed(0)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="500MB")
+    for f in smol.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(folder)
+    return folder
+
+
+def weight_bytes(folder: Path) -> tuple[int, int]:
+    """(parameters, their fp32 bytes) from the checkpoint's safetensors headers."""
+    from safetensors import safe_open
+    n = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                shape = st.get_slice(key).get_shape()
+                count = 1
+                for d in shape:
+                    count *= d
+                n += count
+    return n, 4 * n
+
+
+def build_config(target: Path, precision: str, out: Path) -> dict:
+    fmt = {"format": precision} if precision != "fp8" else {"format": "fp8", "base": "fp32"}
+    return {"name": f"memory-{precision}", "target": {"source": str(target)},
+            "precision": {"target": fmt, "drafter": {"format": "fp32" if precision != "fp16" else "fp16"}},
+            "calibration": {"prompts": 4}, "parity": {"prompts": 1}, "engines": {"enabled": False},
+            "outputs": {"dir": str(out / f"build-{precision}")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path.home() / "build-memory")
+    p.add_argument("--precisions", default="fp32,fp16,fp8")
+    p.add_argument("--threads", type=int, default=2, help="OMP / ONNX Runtime threads of each build")
+    args = p.parse_args(argv)
+    import os
+
+    import yaml
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = write_checkpoint(args.out / "synthetic-0.83b")
+    params, fp32_bytes = weight_bytes(target)
+    print(f"target {target}: {params / 1e9:.3f} B parameters, {fp32_bytes / 1e9:.2f} GB in fp32", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    rows = []
+    for precision in args.precisions.split(","):
+        cfg = args.out / f"memory-{precision}.yaml"
+        cfg.write_text(yaml.safe_dump(build_config(target, precision, args.out), sort_keys=False))
+        start, log = time.time(), args.out / f"build-{precision}.log"
+        print(f"  {precision}: building (progress in {log})", flush=True)
+        with open(log, "w") as err:
+            done = subprocess.run([sys.executable, "-c", PROBE, "--config", str(cfg), "--force"],
+                                  stdout=subprocess.PIPE, stderr=err, text=True, env=env, check=False)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("MEMORY ")), None)
+        if line is None:
+            raise SystemExit(f"{precision}: the build process did not report its memory (exit {done.returncode}); "
+                             f"see {log}")
+        m = json.loads(line[len("MEMORY "):])
+        m.update(precision=precision, wall_seconds=time.time() - start,
+                 peak_over_fp32_weights=m["peak_rss_bytes"] / fp32_bytes)
+        rows.append(m)
+        print(f"  {precision}: exit {m['exit']}, {m['seconds']:.0f} s, peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB "
+              f"= {m['peak_over_fp32_weights']:.2f}x the fp32 weights", flush=True)
+    report = {"target": str(target), "shape": SHAPE, "parameters": params, "fp32_weight_bytes": fp32_bytes,
+              "threads": args.threads, "builds": rows}
+    (args.out / "memory.json").write_text(json.dumps(report, indent=2))
+    print(f"{'precision':<10}{'seconds':>9}{'peak RSS GB':>13}{'x fp32 weights':>16}")
+    for m in rows:
+        print(f"{m['precision']:<10}{m['seconds']:>9.0f}{m['peak_rss_bytes'] / 1e9:>13.2f}{m['peak_over_fp32_weights']:>16.2f}")
+    return 0 if all(m["exit"] == 0 for m in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
