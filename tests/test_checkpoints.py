@@ -527,3 +527,15 @@ def test_save_drafter_overwrites(target, tmp_path):
     ld = load_drafter(dest, target)
     assert ld.cfg.variant == "eagle3.1"
     assert torch.equal(drafter_outputs(ld)[0], drafter_outputs(d_new)[0])
+
+
+def test_random_drafter_from_the_config_alone_saves_what_random_drafter_makes(tiny_target, tmp_path):
+    """The build makes its untrained drafter without loading the target's weights: saved and
+    loaded against the target, it is random_drafter's drafter, embedding shared."""
+    saved = save_drafter(ckpt.random_drafter_for(tiny_target.config, "eagle3.1", seed=3, draft_vocab_size=48),
+                         tmp_path / "d")
+    loaded = load_drafter(saved, tiny_target)
+    made = random_drafter(tiny_target, "eagle3.1", seed=3, draft_vocab_size=48)
+    assert loaded.embed_tokens.weight.data_ptr() == tiny_target.model.embed_tokens.weight.data_ptr()
+    mine, theirs = loaded.state_dict(), made.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
