@@ -54,7 +54,8 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     source_dir: `model` was loaded without its external data (onnx.load(...,
     load_external_data=False)) from a graph in this folder, e.g. the exporter's one file per
     tensor: those tensors are copied one at a time into `path.data`, so the weights are never
-    all in memory (a real-size target would otherwise be, once more, beside the PyTorch model)."""
+    all in memory (a real-size target would otherwise be, once more, beside the PyTorch model);
+    tensors made in memory since (a quantized graph's new weights) go into the same file."""
     path = Path(path)
     data = path.with_name(data_file_name(path))
     if data.exists():
@@ -69,13 +70,27 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     return [path, data] if data.exists() else [path]     # no data file when no tensor is large enough
 
 
+def _point(tensor: onnx.TensorProto, data: Path, offset: int, size: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(size))):
+        tensor.external_data.add(key=key, value=value)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
 def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, chunk: int = 64 << 20) -> None:
-    """Append every external tensor of `model` (read from source_dir) to `data`, in chunks, and
-    point the tensor there."""
-    offset = 0
+    """Append every external tensor of `model` (read from source_dir, in chunks) and every large
+    initializer held in memory to `data`, and point the tensor there."""
+    offset, moved = 0, set()
     with open(data, "wb") as out:
+        for tensor in model.graph.initializer:
+            if not uses_external_data(tensor) and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
+                out.write(tensor.raw_data)
+                _point(tensor, data, offset, len(tensor.raw_data))
+                offset += len(tensor.raw_data)
+                tensor.ClearField("raw_data")
+                moved.add(tensor.name)
         for tensor in _tensors(model):
-            if not uses_external_data(tensor):
+            if not uses_external_data(tensor) or tensor.name in moved:
                 continue
             info = {e.key: e.value for e in tensor.external_data}
             src = source_dir / info["location"]
@@ -90,9 +105,7 @@ def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, ch
                         raise GraphFileError(f"{src}: ends before the {size} bytes tensor {tensor.name!r} needs")
                     out.write(block)
                     left -= len(block)
-            del tensor.external_data[:]
-            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(size))):
-                tensor.external_data.add(key=key, value=value)
+            _point(tensor, data, offset, size)
             offset += size
 
 

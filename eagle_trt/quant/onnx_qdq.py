@@ -126,8 +126,9 @@ def _guess_path(node_name: str) -> str:
 # ----------------------------------------------------------------------------- graph surgery
 
 class _Rewriter:
-    def __init__(self, model: onnx.ModelProto, cfg: QuantConfig):
+    def __init__(self, model: onnx.ModelProto, cfg: QuantConfig, base_dir: str | Path | None = None):
         self.model, self.cfg = model, cfg
+        self.base_dir = str(base_dir) if base_dir is not None else ""   # external weights are read one by one
         self.graph = model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
         self.producer = {o: n for n in self.graph.node for o in n.output}
@@ -169,7 +170,7 @@ class _Rewriter:
             return self.weights[key]
         init = self.inits[init_name]
         dtype = FLOAT_TYPES[init.data_type]
-        w = torch.from_numpy(numpy_helper.to_array(init).copy()).float()
+        w = torch.from_numpy(numpy_helper.to_array(init, self.base_dir).copy()).float()
         w = w if transposed else w.T                                        # [out, in], as nn.Linear
         dims = [w.shape[1], w.shape[0]]                                      # the MatMul's [in, out]
         base = init_name.replace(":", "_") + ("_transposed" if transposed else "")
@@ -264,13 +265,15 @@ def _set_opsets(model: onnx.ModelProto, fmt: str) -> int:
 
 
 def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, float],
-                   modules: Iterable[str] | None = None, source: str = "calibration") -> QDQSummary:
+                   modules: Iterable[str] | None = None, source: str = "calibration",
+                   base_dir: str | Path | None = None) -> QDQSummary:
     """Rewrite `model` in place. `modules` lists the torch Linear module paths (defaults to the
-    calibration's keys); `source` names the calibration in errors."""
+    calibration's keys); `source` names the calibration in errors; base_dir: where the weights
+    of a model loaded without its external data are."""
     if not cfg.enabled:
         raise QuantError(f"{cfg.source}: quantization format is 'none'; nothing to rewrite")
     known = set(amax) | set(modules or ())
-    rw = _Rewriter(model, cfg)
+    rw = _Rewriter(model, cfg, base_dir)
     summary = QDQSummary(cfg.format)
     plan, seen = [], set()
     for index, node in enumerate(model.graph.node):
@@ -315,13 +318,14 @@ def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise QuantError(f"{src}: ONNX graph not found")
-    model = onnx.load(str(src))
-    summary = quantize_graph(model, cfg, amax, modules, source)
+    # External weights stay on disk: each is read when it is converted, the rest copied at the save.
+    model = onnx.load(str(src), load_external_data=False)
+    summary = quantize_graph(model, cfg, amax, modules, source, src.parent)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
     try:
         tmp_file = tmp / dst.name
-        written = save_graph(model, tmp_file)           # weights in dst.data when past protobuf's limit
+        written = save_graph(model, tmp_file, source_dir=src.parent)   # weights in dst.data past protobuf's limit
         try:
             onnx.checker.check_model(str(tmp_file))
         except onnx.checker.ValidationError as exc:
