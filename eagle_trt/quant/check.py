@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
+from onnx.external_data_helper import load_external_data_for_model
 from torch import nn
 
 from ..export.graph_files import save_graph
@@ -64,7 +65,7 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
     """Run the quantized graph once (ONNX Runtime as fp8_session runs it for FP8, onnx.reference
     for NVFP4), exposing every quantized MatMul's float input and output, and compare each
     output with the reference model's QuantLinear of the same module applied to that input."""
-    model = onnx.load(str(graph))
+    model = onnx.load(str(graph), load_external_data=False)    # the weights stay in the graph's data file
     layers = {path: m for path, m in reference.named_modules() if isinstance(m, QuantLinear)}
     pairs = quantized_matmuls(model)
     if not pairs:
@@ -77,10 +78,11 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
         if name not in existing:
             model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
     if is_nvfp4_graph(model):
+        load_external_data_for_model(model, str(Path(graph).parent))
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
-    else:   # from a file, as the build writes graphs: a target past 2 GB cannot be one serialized protobuf
+    else:   # from a file written like the build's (its weights copied there one by one, not loaded)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
-            probe = save_graph(model, Path(tmp) / "probe.onnx")[0]
+            probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent)[0]
             values = dict(zip(names, fp8_session(probe, threads).run(names, feeds)))
     report = []
     for node, quantizer in pairs:
