@@ -91,7 +91,7 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
         if path is None:
             raise QuantError(f"{graph}: quantized node '{node.name}' has no QuantLinear in the reference model")
         with torch.no_grad():   # on the reference's device; the graph adds the bias after its MatMul
-            expected = layers[path](torch.from_numpy(values[source]).to(layers[path].weight.device), bias=False).cpu()
+            expected = layers[path](torch.from_numpy(values[source]).to(layers[path].input_scale.device), bias=False).cpu()
         got = torch.from_numpy(values[node.output[0]])
         diff = (got - expected).float()
         denom = float(expected.norm()) or 1.0

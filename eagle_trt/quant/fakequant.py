@@ -33,17 +33,31 @@ class QuantLinear(nn.Module):
         self.format, self.per_channel = fmt, per_channel
         self.input_amax = float(input_amax)
         w = linear.weight.detach()
+        self.weight_dtype = w.dtype
+        # The quantized weight is kept (1 byte or less per value, not a float copy of a real-size
+        # model's weights) and dequantized per call, as the graph's weight DQ does.
         if fmt == "fp8":
             q, scale = fp8_weight(w, per_channel)
-            dq = fp8_dequantize(q, scale[:, None] if per_channel else scale)
+            self.register_buffer("weight_q", q)
+            self.register_buffer("weight_scale", scale[:, None] if per_channel else scale)
             self.register_buffer("input_scale", fp8_scale(self.input_amax).to(w.device))
         else:
             codes, sb8, g = nvfp4_weight(w)
-            dq = nvfp4_dequantize(codes, sb8, g, axis=1)
+            self.register_buffer("weight_q", codes)
+            self.register_buffer("weight_block_scale", sb8)
+            self.register_buffer("weight_scale", g)
             self.register_buffer("input_scale", nvfp4_global_scale(self.input_amax).to(w.device))
-        # The dequantized weight is what the graph's weight DQ produces (constant per layer).
-        self.register_buffer("weight", dq.to(w.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        """[out, in] in the Linear's dtype: what the graph's weight DequantizeLinear produces
+        (made on each access)."""
+        if self.format == "fp8":
+            dq = fp8_dequantize(self.weight_q, self.weight_scale)
+        else:
+            dq = nvfp4_dequantize(self.weight_q, self.weight_block_scale, self.weight_scale, axis=1)
+        return dq.to(self.weight_dtype)
 
     def quantize_input(self, x: Tensor) -> Tensor:
         if self.format == "fp8":
@@ -110,8 +124,12 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
 def quantized_copy(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
                    source: str = "calibration") -> tuple[nn.Module, QuantSummary]:
     """A deep copy of `model` with quantize_model applied; the original is left unchanged.
-    Flags that are plain attributes (EagleDrafter.embed_shared) come along with the copy."""
-    quantized = copy.deepcopy(model)
+    Flags that are plain attributes (EagleDrafter.embed_shared) come along with the copy. The
+    weights of the Linears that get quantized are not copied (their QuantLinears only read them):
+    beside the model, the copy holds its quantized weights and the rest of its parameters."""
+    replaced = {id(linear.weight): linear.weight for path, linear in linear_paths(model).items()
+                if cfg.skip_reason(path, linear.in_features) is None}
+    quantized = copy.deepcopy(model, memo=replaced)
     return quantized.eval(), quantize_model(quantized, cfg, amax, source)
 
 
