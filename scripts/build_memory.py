@@ -75,7 +75,7 @@ def write_checkpoint(folder: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp), max_shard_size="500MB")
     for f in smol.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy2(f, tmp / f.name)
     tmp.rename(folder)
     return folder

@@ -375,3 +375,20 @@ def test_tied_lm_head_is_stored_once_and_quantizes_through_the_transpose(tmp_pat
     feeds, _ = target_feeds(tied.config, list(range(3, 20)), past=0)
     parity = {r.module: r.rel_l2 for r in layer_parity(str(tmp_path / "target.fp8.onnx"), reference, feeds)}
     assert parity["lm_head"] <= 1e-5 and max(parity.values()) <= 1e-5
+
+
+def test_a_base_model_without_chat_template_calibrates_on_plain_text(tmp_path):
+    """A target whose tokenizer has no chat template (a base model) is calibrated on the prompts'
+    plain text, as `generate` and parity encode them, not refused by transformers."""
+    from transformers import AutoTokenizer
+
+    from eagle_trt.quant import calibration_prompts
+    from test_build_support import write_char_tokenizer
+    tok = AutoTokenizer.from_pretrained(str(write_char_tokenizer(tmp_path / "tok")))
+    chat = calibration_prompts(tok, count=3, max_tokens=400)
+    tok.chat_template = None
+    plain = calibration_prompts(tok, count=3, max_tokens=400)
+    assert len(plain) == 3 and [sid for sid, _ in plain] == [sid for sid, _ in chat]
+    from eagle_trt.train.data import first_turns
+    for (sid, ids), (_, text, _) in zip(plain, first_turns(tok, "val", 3, 400, min_tokens=2)):
+        assert ids == tok(text, add_special_tokens=False)["input_ids"] and len(ids) < len(dict(chat)[sid])

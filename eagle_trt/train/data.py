@@ -197,7 +197,10 @@ def first_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: 
                 path: str | Path | None = None, val_fraction: float = DataConfig.val_fraction
                 ) -> list[tuple[str, str, list[int]]]:
     """(sample id, text, chat-rendered ids) of up to `count` ShareGPT first user turns of the
-    split, with min_tokens <= len(ids) <= max_tokens, in file order, MT-bench questions rejected."""
+    split, with min_tokens <= len(ids) <= max_tokens, in file order, MT-bench questions rejected.
+    A tokenizer without a chat template (a base model) gets the plain text, as `generate` and
+    the parity stage give it."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
     path = Path(path) if path else sharegpt_file()
     guard, out = MTBenchGuard(), []
     for n, item in enumerate(iter_json_array(path)):
@@ -211,8 +214,11 @@ def first_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: 
         messages = to_messages(item)
         if not messages or guard.find(messages[:1]) is not None:
             continue
-        ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if chat:
+            ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = list(tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"])
         if min_tokens <= len(ids) <= max_tokens:
             out.append((sid, messages[0]["content"], ids))
     return out
