@@ -83,7 +83,7 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
     else:   # from a file written like the build's (its weights copied there one by one, not loaded)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
             probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent)[0]
-            values = dict(zip(names, fp8_session(probe, threads).run(names, feeds)))
+            values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
     report = []
     for node, quantizer in pairs:
         source = quantizer.input[0]

@@ -74,9 +74,12 @@ def reference_evaluator(model: str | Path | onnx.ModelProto) -> ReferenceEvaluat
 FP8_SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
-def fp8_session_options(threads: int | None = 1) -> ort.SessionOptions:
+def fp8_session_options(threads: int | None = 1, fold_weights: bool = True) -> ort.SessionOptions:
+    """fold_weights=False: no graph optimization, so each weight is dequantized when its MatMul
+    runs and freed after it, instead of all held as float32 initializers (a one-off run of a
+    real-size target: the layer parity check)."""
     so = ort.SessionOptions()
-    so.graph_optimization_level = FP8_ORT_LEVEL
+    so.graph_optimization_level = FP8_ORT_LEVEL if fold_weights else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for key, value in FP8_SESSION_CONFIG.items():
         so.add_session_config_entry(key, value)
     if threads:
@@ -85,12 +88,13 @@ def fp8_session_options(threads: int | None = 1) -> ort.SessionOptions:
     return so
 
 
-def fp8_session(path: str | Path | bytes, threads: int | None = 1) -> ort.InferenceSession:
+def fp8_session(path: str | Path | bytes, threads: int | None = 1, fold_weights: bool = True) -> ort.InferenceSession:
     """A CPU session for an FP8 (or float) graph file, or serialized graph bytes."""
     if not isinstance(path, bytes) and not Path(path).is_file():
         raise QuantError(f"{path}: ONNX graph not found")
     try:
-        return ort.InferenceSession(path if isinstance(path, bytes) else str(path), fp8_session_options(threads),
+        return ort.InferenceSession(path if isinstance(path, bytes) else str(path),
+                                    fp8_session_options(threads, fold_weights),
                                     providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
         raise QuantError(f"{path if not isinstance(path, bytes) else 'graph'}: ONNX Runtime cannot load this "
