@@ -20,6 +20,32 @@ from eagle_trt.models.drafter import EagleDrafter
 torch.set_num_threads(1)
 
 
+# Test order for `make test`'s two pytest-xdist workers. --dist worksteal hands the first half
+# of the collection to one worker and the second half to the other, and a worker that runs out
+# steals from the tail of the other's queue. So each half starts with its minutes-long modules
+# (those reading the transformers reference together, so one worker makes it and no worker waits
+# on its lock) and ends with quick ones: steals then move quick tests, the workers finish
+# together, and a module's fixtures are set up once. Modules stay contiguous; the order does not
+# change what any test checks.
+FIRST_HALF_HEAVY = ("test_lossless_greedy.py", "test_onnx_smollm2.py", "test_cli.py")
+SECOND_HALF_HEAVY = ("test_triton_serving.py", "test_quant_smollm2.py", "test_evaluate.py", "test_build_stages.py",
+                     "test_sampling.py", "test_families.py")
+# Many small tests on session fixtures only: last among the quick ones, where the halves meet.
+QUICK_LAST = ("test_tree.py", "test_build_config.py", "test_verify.py")
+
+
+@pytest.hookimpl(trylast=True)      # after -m deselection: the halves are of the tests that run
+def pytest_collection_modifyitems(session, config, items):
+    def module(item) -> str:
+        return item.path.name
+    first = [i for name in FIRST_HALF_HEAVY for i in items if module(i) == name]
+    second = [i for name in SECOND_HALF_HEAVY for i in items if module(i) == name]
+    quick = [i for i in items if module(i) not in FIRST_HALF_HEAVY + SECOND_HALF_HEAVY + QUICK_LAST]
+    quick += [i for name in QUICK_LAST for i in items if module(i) == name]
+    k = max(0, len(items) // 2 - len(first))
+    items[:] = first + quick[:k] + second + quick[k:]
+
+
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
