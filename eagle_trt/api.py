@@ -141,8 +141,7 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
         graphs = export_pipeline(models, shape, folder, dtype, log=log)
-        target_backend = OrtTarget(graphs["target"], models.target.config.max_position_embeddings,
-                                   accept_graph=graphs["accept_greedy"])
+        target_backend = OrtTarget(graphs["target"], models.target.config.max_position_embeddings)
         drafter_backend = OrtDrafter(graphs["drafter_tree"], shape)
     decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
                                  vocab_size=models.target.config.vocab_size)

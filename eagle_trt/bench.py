@@ -118,7 +118,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
     target, drafter, eos = ort.target, ort.drafter, ort.eos
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
     torch_identical = 0
-    split = {"drafter_graph": 0.0, "target_graph": 0.0, "accept_graph": 0.0}
+    split = {"drafter_graph": 0.0, "target_graph": 0.0}
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
     for i, ids in enumerate(prompts):
@@ -129,11 +129,10 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
         calls["autoregressive"] += ar.target_calls
-        t0, d0, a0 = target.graph_seconds, drafter.graph_seconds, target.accept_seconds
+        t0, d0 = target.graph_seconds, drafter.graph_seconds
         sp = ort.speculative(ids, max_new_tokens)
         split["target_graph"] += target.graph_seconds - t0
         split["drafter_graph"] += drafter.graph_seconds - d0
-        split["accept_graph"] += target.accept_seconds - a0
         calls["drafter"] += sp.drafter_calls
         calls["verify"] += sp.target_calls
         rows["speculative"]["tokens"] += len(sp.tokens)
@@ -160,11 +159,10 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
     ar_ms = 1e3 * rows["autoregressive"]["seconds"] / calls["autoregressive"]
     draft_ms = 1e3 * split["drafter_graph"] / calls["drafter"]
     verify_ms = 1e3 * split["target_graph"] / calls["verify"]
-    accept_ms = 1e3 * split["accept_graph"] / calls["drafter"]
     host_ms = 1e3 * (spec_s - sum(split.values())) / calls["drafter"]
-    iteration_ms = draft_ms + verify_ms + accept_ms + host_ms
+    iteration_ms = draft_ms + verify_ms + host_ms
     cost = {"autoregressive_step_ms": ar_ms, "draft_call_ms": draft_ms, "verify_call_ms": verify_ms,
-            "accept_call_ms": accept_ms, "host_ms_per_iteration": host_ms, "iteration_ms": iteration_ms,
+            "host_ms_per_iteration": host_ms, "iteration_ms": iteration_ms,
             "break_even_accept_length": iteration_ms / ar_ms, "accept_length_for_1.8x": 1.8 * iteration_ms / ar_ms}
     return {"workload": name, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "modes": rows, "mean_accept_length": sum(accepts) / max(len(accepts), 1),
@@ -189,13 +187,13 @@ def format_table(results: list[dict]) -> str:
                      f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
                      f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
                      f"{s['host']:>7.1%}{r['identical_outputs']:>4}/{r['prompts']:<2}")
-    head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'accept':>8}{'host':>7}{'iteration':>11}"
+    head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'host':>7}{'iteration':>11}"
             f"{'break-even':>12}{'for 1.8x':>10}{'measured':>10}")
     lines += ["", "where the time goes (ms per call; accept lengths an iteration must reach):", head, "-" * len(head)]
     for r in results:
         c = r["cost"]
         lines.append(f"{r['workload']:<10}{c['autoregressive_step_ms']:>9.1f}{c['draft_call_ms']:>8.1f}"
-                     f"{c['verify_call_ms']:>8.1f}{c['accept_call_ms']:>8.2f}{c['host_ms_per_iteration']:>7.1f}"
+                     f"{c['verify_call_ms']:>8.1f}{c['host_ms_per_iteration']:>7.2f}"
                      f"{c['iteration_ms']:>11.1f}"
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
@@ -299,10 +297,9 @@ def main(argv=None) -> int:
         return 2
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
     threads = args.threads or None
-    graphs = export_pipeline(models, candidates[0], folder, log=sys.stderr, only=("target", "accept_greedy"))
+    graphs = export_pipeline(models, candidates[0], folder, log=sys.stderr, only=("target",))
     target_graph = graphs["target"]
-    target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads,
-                       accept_graph=graphs["accept_greedy"])
+    target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)
     tree_sweep = []
     if len(candidates) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)

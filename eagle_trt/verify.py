@@ -73,7 +73,7 @@ def accept_greedy_batch(best: Tensor, ids: Tensor, tree_mask: Tensor) -> tuple[T
     depth = mask.sum(-1) - 1                                                      # [B, T]
     parent = (mask & (depth[:, None, :] == depth[:, :, None] - 1)).long().argmax(-1)   # root: 0, unused
     order = torch.arange(T, device=ids.device)
-    match = (ids == best.gather(1, parent)) & (order > 0)
+    match = (ids == _pick(best, parent, order)) & (order > 0)
     # the walk takes the lowest-index matching child: a match with an earlier matching sibling is not taken
     earlier = (parent[:, None, :] == parent[:, :, None]) & (order[None, :] < order[:, None]) & match[:, None, :]
     taken = (match & ~earlier.any(-1)) | (order == 0)
@@ -81,7 +81,15 @@ def accept_greedy_batch(best: Tensor, ids: Tensor, tree_mask: Tensor) -> tuple[T
     length = on_path.sum(-1)
     at_depth = on_path[:, None, :] & (depth[:, None, :] == order[None, :, None])  # [B, depth, node]
     path = at_depth.long().argmax(-1)
-    return path, length, best.gather(1, path)
+    return path, length, _pick(best, path, order)
+
+
+def _pick(values: Tensor, index: Tensor, order: Tensor) -> Tensor:
+    """values.gather(1, index) for [B, T] tensors, as a one-hot product: the same numbers, with
+    ops every ONNX consumer evaluates alike (onnx.reference's GatherElements, which runs the
+    NVFP4 graphs here, mis-shapes this gather)."""
+    one_hot = index[:, :, None] == order[None, None, :]                          # [B, T, T]
+    return (one_hot.long() * values[:, None, :]).sum(-1)
 
 
 def accept_sampled(tree: DraftTree, logits: Tensor, sampling: SamplingConfig,

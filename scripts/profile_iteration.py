@@ -24,7 +24,6 @@ from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.backend import DrafterBackend, TargetBackend
 from eagle_trt.runtime.decoder import Sequence, SpeculativeDecoder
 from eagle_trt.runtime.kv_cache import KVCache
-from eagle_trt.runtime.onnxruntime_backend import OrtTarget
 from eagle_trt.runtime.timing import OrtDecoding, graph_seconds
 
 
@@ -43,8 +42,7 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int) -> tupl
 PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
           (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
           (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV write / commit"),
-          (TargetBackend, "_forward", "  verification: masks, bind, outputs, KV write"),
-          (OrtTarget, "accept_greedy", "  greedy acceptance: bind, outputs"),
+          (TargetBackend, "_forward", "  verification (acceptance in the graph): masks, bind, outputs, KV write"),
           (KVCache, "commit", "  KV commits (the target's; the drafter's, inside drafting)"),
           (Sequence, "extend", "  streaming and stop checks")]
 
@@ -85,12 +83,11 @@ def main(argv=None) -> int:
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree", "accept_greedy"))
+    graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree"))
     prompts = real_prompt_ids(models, args.prompts + 1)
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
-                           models.target.config.vocab_size, threads=args.threads,
-                           accept_graph=graphs["accept_greedy"])
+                           models.target.config.vocab_size, threads=args.threads)
     ort.warm_up(prompts[0])
     wall, graph, iterations = run(ort, prompts[1:], args.max_new_tokens)
     print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "

@@ -64,9 +64,9 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
     assert m.data["status"] == "ok"
     assert set(m.data["versions"]) >= {"python", "torch", "onnx", "onnxruntime", "transformers", "tensorrt"}
     paths = {a["path"] for a in m.data["artifacts"]}
-    assert {"export/target.onnx", "export/drafter_tree.onnx", "export/accept_greedy.onnx", "quantize/target.fp8.onnx",
+    assert {"export/target.onnx", "export/drafter_tree.onnx", "quantize/target.fp8.onnx",
             "quantize/target.amax.json", "parity/report.json", "parity/bundles/target.inputs.json",
-            "parity/bundles/target.reference.json", "parity/bundles/accept_greedy.reference.json",
+            "parity/bundles/target.reference.json",
             "parity/bundles/target.fp8.reference.json", "triton/eagle_trt/config.pbtxt",
             "triton/eagle_trt/1/model.py", "triton/eagle_trt/1/graphs/target.fp8.onnx"} <= paths
     on_disk = {str(p.relative_to(tiny["out"])) for p in tiny["out"].rglob("*") if p.is_file()
@@ -74,14 +74,14 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
     assert on_disk == paths, "the manifest must list exactly the files the build wrote"
     for a in m.data["artifacts"]:
         assert sha256_file(tiny["out"] / a["path"]) == a["sha256"], a["path"]
-    for graph in ("export/target.onnx", "export/drafter_tree.onnx", "export/accept_greedy.onnx",
-                  "quantize/target.fp8.onnx"):
+    for graph in ("export/target.onnx", "export/drafter_tree.onnx", "quantize/target.fp8.onnx"):
         onnx.checker.check_model(str(tiny["out"] / graph))
     report = json.loads((tiny["out"] / "parity/report.json").read_text())
     assert report["passed"] and report["quantized"]["target"]["layers"] > 0
-    accept = next(g for g in report["graphs"] if g["name"] == "accept_greedy")
-    assert accept["passed"] and all(o["exact"] for o in accept["outputs"])
-    assert any(label.startswith("real tree verification") for label in accept["inputs"])
+    target = next(g for g in report["graphs"] if g["name"] == "target")    # greedy acceptance inside the target graph
+    accept = [o for o in target["outputs"] if o["output"].startswith("accept_")]
+    assert len(accept) == 3 and all(o["exact"] and o["passed"] for o in accept)
+    assert any(label.startswith("real tree verification") for label in target["inputs"])
 
 
 @pytest.mark.skipif(tensorrt_here(), reason="TensorRT and a GPU are present: the engines stage runs")
@@ -316,16 +316,13 @@ def test_external_data_is_one_named_file_per_graph_and_the_repository_travels(ti
     seen: dict[Path, Path] = {}
     for graph in graphs:
         files = graph_files(graph)
-        if graph.name == "accept_greedy.onnx":      # no weights, so no data file
-            assert files == [graph]
-            continue
         assert [f.name for f in files] == [graph.name, graph.name + ".data"], files
         for f in files[1:]:
             assert f not in seen, f"{f} is read by {graph} and {seen[f]}"
             seen[f] = graph
     export_files = {p.name for p in (out / "export").iterdir()}
-    assert export_files == {"target.onnx", "target.onnx.data", "drafter_tree.onnx", "drafter_tree.onnx.data",
-                            "accept_greedy.onnx"}, export_files
+    assert export_files == {"target.onnx", "target.onnx.data", "drafter_tree.onnx", "drafter_tree.onnx.data"}, \
+        export_files
     served = json.loads((out / "triton/eagle_trt/1/eagle.json").read_text())["graphs"]
     moved = tmp_path / "elsewhere" / "triton"
     shutil.copytree(out / "triton", moved)

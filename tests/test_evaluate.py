@@ -123,9 +123,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert sorted(s["tree"] for s in sweep) == [[2, 1, 2], [2, 2, 3]] and report["tree"] == sweep[0]["tree"]
     assert sweep[0]["tokens_per_second"] >= sweep[1]["tokens_per_second"]
     c = row["cost"]
-    assert c["iteration_ms"] == pytest.approx(c["draft_call_ms"] + c["verify_call_ms"] + c["accept_call_ms"]
-                                              + c["host_ms_per_iteration"])
-    assert c["accept_call_ms"] > 0 and row["time_split"]["accept_graph"] > 0     # acceptance ran in its graph
+    assert c["iteration_ms"] == pytest.approx(c["draft_call_ms"] + c["verify_call_ms"] + c["host_ms_per_iteration"])
     assert c["break_even_accept_length"] == pytest.approx(c["iteration_ms"] / c["autoregressive_step_ms"])
     rows = report["concurrency"]
     assert [(r["streams"], r["mode"]) for r in rows] == [(c, m) for c in (1, 2) for m in concurrency.MODES]

@@ -13,13 +13,14 @@ from onnx import TensorProto, helper
 
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
-from eagle_trt.export import (UnsupportedGraph, check_graph, export_accept_greedy, export_drafter_step,
+from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget, make_session
+from eagle_trt.tree import DraftTree
 
 from conftest import PlantedDrafter
 
@@ -71,11 +72,12 @@ def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
 
 
 @pytest.mark.parametrize("acceptance", ["host", "graph"])
-def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance, tmp_path):
-    """Greedy acceptance on the host (torch) or in the greedy accept graph: the same tokens."""
+def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance):
+    """Greedy acceptance on the host (torch) or inside the target graph: the same tokens."""
     target, drafter, graphs = exported
-    accept = export_accept_greedy(tmp_path / "accept.onnx").path if acceptance == "graph" else None
-    ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings, accept_graph=accept)
+    ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings)
+    assert ort_target.graph_accepts
+    ort_target.graph_accepts = acceptance == "graph"
     ort_drafter = OrtDrafter(graphs["drafter_tree"], SHAPE)
     for seed in range(4):
         prompt = torch.randint(3, target.config.vocab_size, (9 + 11 * seed,),
@@ -89,7 +91,60 @@ def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance, tmp_path
         assert generate_autoregressive(ort_target, prompt, 40, []).tokens == ref.tokens
         unplanted = SpeculativeDecoder(ort_target, ort_drafter, []).generate(prompt, 40)
         assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
-    assert (ort_target.accept_seconds > 0) == (acceptance == "graph")
+    assert (ort_target._graph_accept is not None) == (acceptance == "graph")
+
+
+def test_target_graph_accepts_greedily_like_the_tree_walk(exported):
+    """The target graph's accept_* outputs on ONNX Runtime, at sizes other than the traced ones:
+    a batch of random trees whose tokens were planted to match the graph's own argmax at their
+    parent half of the time (so paths go deep and siblings share tokens), padding rows after the
+    tree that logits_index leaves out, and a prefill-style call that asks for the last row only.
+    Each sequence's path, length and tokens equal the tree walk (verify.accept_greedy) on the
+    logits the same call returned."""
+    from test_verify import random_tree
+    from eagle_trt.verify import accept_greedy
+    target, _, graphs = exported
+    cfg = target.model.cfg
+    session = make_session(graphs["target"], threads=1)
+    gen = torch.Generator().manual_seed(3)
+    B, n, pad = 4, 9, 2
+    trees = [random_tree(n, cfg.vocab_size, gen) for _ in range(B)]
+    T = n + 1 + pad
+    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=gen)
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    for b, t in enumerate(trees):
+        mask[b, : n + 1, : n + 1] = t.mask
+        mask[b, n + 1:, n + 1:] = torch.eye(pad, dtype=torch.bool)
+    depths = mask.sum(-1) - 1
+    P = 5           # a past the tree sees: its mask block is the last T columns
+    past = torch.randn(B, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).numpy()
+    full = torch.cat((torch.ones(B, T, P, dtype=torch.bool), mask), 2)
+
+    def run(index):
+        feed = {"input_ids": ids.numpy(), "position_ids": (P + depths).numpy(), "attention_mask": full.numpy(),
+                "logits_index": np.asarray(index, np.int64)}
+        for i in range(cfg.num_hidden_layers):
+            feed[f"past_key_{i}"] = feed[f"past_value_{i}"] = past
+        return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    tree_rows = list(range(n + 1))
+    for node in range(1, n + 1):        # node's logits depend on its ancestors only, fixed before it
+        best = run(tree_rows)["logits"].argmax(-1)
+        for b, t in enumerate(trees):
+            if torch.rand((), generator=gen) < 0.5:
+                ids[b, node] = int(best[b, int(t.parents[node])])
+    out = run(tree_rows)
+    lengths = []
+    for b, t in enumerate(trees):
+        tree = DraftTree(ids[b, 1: n + 1], t.parents, t.mask, t.depths, t.scores)
+        path, bonus = accept_greedy(tree, torch.from_numpy(out["logits"][b]))
+        length = int(out["accept_length"][b])
+        assert out["accept_path"][b, :length].tolist() == path and length == len(path)
+        assert out["accept_tokens"][b, :length].tolist() == [int(ids[b, j]) for j in path[1:]] + [bonus]
+        lengths.append(length)
+    assert max(lengths) >= 3, lengths       # the planted matches were followed
+    last = run([n])                         # one row: the greedy next token after it
+    assert last["accept_length"].tolist() == [1] * B and last["accept_path"].tolist() == [[0]] * B
+    assert last["accept_tokens"][:, 0].tolist() == last["logits"][:, 0].argmax(-1).tolist()
 
 
 def test_onnxruntime_target_keeps_its_bindings_and_returns_fresh_outputs(exported):
@@ -208,7 +263,7 @@ def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp
     before = export(first)
     assert export(first) == before                                     # nothing re-exported
     after = export(random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48))
-    assert after["target"] == before["target"] and after["accept_greedy"] == before["accept_greedy"]
+    assert after["target"] == before["target"]
     assert after["drafter_tree"] != before["drafter_tree"]
 
 

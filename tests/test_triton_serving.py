@@ -308,7 +308,7 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     stages = {s["name"]: s["status"] for s in m.data["stages"]}
     assert stages["parity"] == ("skipped" if family == "llama" else "ran"), stages
     settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
-    assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8", "accept_greedy": "float"}
+    assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
     target, drafter = fp8_backends(m.artifact("quantize/target.fp8.onnx"), m.artifact("quantize/drafter_tree.fp8.onnx"),
                                    cfg.tree.shape, resolved["target"]["max_context"], threads=1)
@@ -320,8 +320,7 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     shutil.copytree(m.artifact("triton"), moved)
     shutil.rmtree(m.artifact("triton"))
     assert {p.name for p in (moved / MODEL / "1" / "graphs").iterdir()} == {
-        "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data",
-        "accept_greedy.onnx"}
+        "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data"}
     with LocalTriton(moved) as server:
         stream = Stream(server)
         try:

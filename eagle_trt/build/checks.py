@@ -33,7 +33,6 @@ def run_parity_stage(b, out: Path) -> dict:
     """b: the Build (config, models, stage paths). Writes report.json and bundles/ into out."""
     from ..api import real_prompt_ids
     from ..parity import (
-        accept_case,
         check_case,
         drafter_cases,
         format_report,
@@ -43,7 +42,7 @@ def run_parity_stage(b, out: Path) -> dict:
     cfg, models = b.cfg, b.models_on(b.device)     # the PyTorch references on the config's device
     shape = cfg.tree.shape
     tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
-    graphs = {g: b.path("export", f"{g}.onnx") for g in ("target", "drafter_tree", "accept_greedy")}
+    graphs = {g: b.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
     if cfg.outputs.step_graphs:
         graphs.update({g: b.path("export", f"{g}.onnx") for g in ("drafter_step_first", "drafter_step")})
     quantized = [m for m in ("target", "drafter") if getattr(cfg.precision, m).quantized]
@@ -56,7 +55,6 @@ def run_parity_stage(b, out: Path) -> dict:
     progress.step("target reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
-    cases.append(accept_case(graphs["accept_greedy"], tdt, tcase))
     reports = []
     for case in cases:
         with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros

@@ -33,8 +33,7 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     eos = set(resolved["target"]["eos_ids"]) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     # the same sessions, thread settings and warm-up as python -m eagle_trt.bench (runtime/timing.py)
     ort = OrtDecoding.open(manifest.artifact("export/target.onnx"), manifest.artifact("export/drafter_tree.onnx"),
-                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"],
-                           accept_graph=manifest.artifact("export/accept_greedy.onnx"))
+                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"])
     ort.warm_up(encode_prompt(tokenizer, WARM_UP, chat=True))
     spec_n = ar_n = 0
     spec_s = ar_s = 0.0

@@ -270,7 +270,7 @@ class Build:
                 "source": source}
 
     def export(self, selected: bool) -> StageResult:
-        from ..export import GRAPH_FORMAT, export_accept_greedy, export_drafter_step, export_drafter_tree, export_target
+        from ..export import GRAPH_FORMAT, export_drafter_step, export_drafter_tree, export_target
         cfg = self.cfg
         key = {"upstream": self.upstream("export"), "tree": cfg.section("tree"),
                "dtypes": [cfg.precision.target.dtype, cfg.precision.drafter.dtype],
@@ -280,15 +280,14 @@ class Build:
             m, shape = self.models_on("cpu"), cfg.tree.shape      # traced on the CPU: the graph is the same
             tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
             jobs = [("target", lambda p: export_target(m.target.model, p, tdt)),
-                    ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt)),
-                    ("accept_greedy", lambda p: export_accept_greedy(p, tdt))]     # on the target's logits
+                    ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt))]
             if cfg.outputs.step_graphs:
                 jobs += [("drafter_step_first", lambda p: export_drafter_step(m.drafter, p, True, ddt)),
                          ("drafter_step", lambda p: export_drafter_step(m.drafter, p, False, ddt))]
             progress, info = Progress("export", len(jobs), self.log), {}
             for name, job in jobs:
                 result = job(tmp / f"{name}.onnx")
-                info[name] = {"file": f"{name}.onnx", "dtype": tdt if name in ("target", "accept_greedy") else ddt,
+                info[name] = {"file": f"{name}.onnx", "dtype": tdt if name == "target" else ddt,
                               "seconds": round(result.seconds, 2), "ops": result.ops}
                 progress.step(f"{name}.onnx")
             return info
@@ -313,16 +312,13 @@ class Build:
 
     def graphs_for(self, purpose: str) -> dict[str, Path]:
         """The graph each model runs as: the quantized one where there is one. For ONNX Runtime
-        ('onnxruntime'), NVFP4 graphs fall back to the float graph (ORT has no FP4 kernels), and
-        the greedy accept graph comes along."""
+        ('onnxruntime'), NVFP4 graphs fall back to the float graph (ORT has no FP4 kernels)."""
         out = {}
         for model, graph in (("target", "target"), ("drafter", "drafter_tree")):
             p = getattr(self.cfg.precision, model)
             q = self.results["quantize"]
             usable = p.quantized and q.status in ("ran", "cached") and not (purpose == "onnxruntime" and p.format == "nvfp4")
             out[graph] = self.path("quantize", f"{graph}.{p.format}.onnx") if usable else self.path("export", f"{graph}.onnx")
-        if purpose == "onnxruntime":    # greedy acceptance in a graph; the TensorRT path runs it on the device in torch
-            out["accept_greedy"] = self.path("export", "accept_greedy.onnx")
         return out
 
     def parity(self, selected: bool) -> StageResult:

@@ -29,6 +29,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
+from eagle_trt.export.graphs import ACCEPT_OUTPUTS
 from eagle_trt.runtime.backend import DrafterBackend, TargetBackend, tree_from_outputs
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, check_request
@@ -95,10 +96,12 @@ class BlsTarget(TargetBackend):
         for i in range(self.layers):
             past_k, past_v = self._past(slots, width, i)
             inputs += [_dl(f"past_key_{i}", past_k), _dl(f"past_value_{i}", past_v)]
-        names = ["logits", "captured"] + [f"new_{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
-        response = _exec(self.model, inputs, names)
-        new = [_out(response, n).to(self.device) for n in names[2:]]
-        return _out(response, "logits").float().cpu(), _out(response, "captured"), new[0::2], new[1::2]
+        kv = [f"new_{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
+        response = _exec(self.model, inputs, ["logits", "captured", *ACCEPT_OUTPUTS, *kv])
+        new = [_out(response, n).to(self.device) for n in kv]
+        logits = _out(response, "logits").float().cpu()
+        self._graph_accept = (logits, *(_out(response, n) for n in ACCEPT_OUTPUTS))   # the engine's own acceptance
+        return logits, _out(response, "captured"), new[0::2], new[1::2]
 
 
 class BlsDrafter(DrafterBackend):
@@ -144,9 +147,7 @@ class TritonPythonModel:
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
-            accept = s["graphs"].get("accept_greedy")
-            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads,
-                                                                   accept_graph=folder / accept if accept else None)
+            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
         # One running batch per model instance: requests join it between iterations and leave it

@@ -13,16 +13,17 @@ import onnx
 import torch
 
 from ..config import TreeShape
-from .onnx_export import ExportedGraph, export_accept_greedy, export_drafter_step, export_drafter_tree, export_target
+from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
 from .opcheck import UnsupportedGraph, check_graph
 
-__all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "export_accept_greedy",
-           "export_drafter_step", "export_drafter_tree", "export_pipeline", "export_target"]
+__all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "export_drafter_step",
+           "export_drafter_tree", "export_pipeline", "export_target"]
 
 
 # 2: batch axis on every graph, past_lengths / new_lengths on the drafter tree; 3: step 0 lm_head on
-# the last row only; 4: a tied lm_head reads the embedding table (stored once), the greedy accept graph
-GRAPH_FORMAT = 4
+# the last row only; 4: a tied lm_head reads the embedding table (stored once), the greedy accept graph;
+# 5: greedy acceptance at the end of the target graph (accept_* outputs), no accept graph
+GRAPH_FORMAT = 5
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -55,7 +56,7 @@ def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
 
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
                     log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
-    """Export target + drafter-tree + greedy-accept graphs (and optionally the single-step drafter graphs)
+    """Export target (with greedy acceptance) + drafter-tree graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
     may name `drafter_tree_int8` (the tree graph with int8 weights, made only when asked for).
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
@@ -70,9 +71,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     previous = json.loads(stamp.read_text()) if stamp.is_file() else {}
     jobs = {"target": (base, lambda p: export_target(models.target.model, p, dtype)),
             "drafter_tree": (dict(drafter_key, shape=[shape.depth, shape.top_k, shape.total_tokens]),
-                             lambda p: export_drafter_tree(models.drafter, shape, p, dtype)),
-            # no weights: one graph for any target and tree of this dtype
-            "accept_greedy": ({"dtype": dtype, "format": GRAPH_FORMAT}, lambda p: export_accept_greedy(p, dtype))}
+                             lambda p: export_drafter_tree(models.drafter, shape, p, dtype))}
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (quant/cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8"),

@@ -15,9 +15,8 @@ import torch
 from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget, causal_mask
-from .graphs import (ACCEPT_INPUTS, ACCEPT_OUTPUTS, DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS,
-                     DRAFT_TREE_OUTPUTS, DrafterStepGraph, DraftTreeGraph, GreedyAcceptGraph, TargetGraph,
-                     target_io_names)
+from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, DrafterStepGraph,
+                     DraftTreeGraph, TargetGraph, target_io_names)
 from .graph_files import install_graph, save_graph
 from .opcheck import check_graph
 from .tied_weights import share_tied_weights
@@ -93,11 +92,14 @@ def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset:
             causal_mask(T, P).repeat(B, 1, 1), torch.arange(T - 1), *past)
     axes = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
             "attention_mask": {0: "batch", 1: "new_tokens", 2: "total_tokens"}, "logits_index": {0: "logit_tokens"},
-            "logits": {0: "batch", 1: "logit_tokens"}, "captured": {0: "batch", 1: "new_tokens"}}
+            "logits": {0: "batch", 1: "logit_tokens"}, "captured": {0: "batch", 1: "new_tokens"},
+            "accept_path": {0: "batch", 1: "logit_tokens"}, "accept_length": {0: "batch"},
+            "accept_tokens": {0: "batch", 1: "logit_tokens"}}
     for name in inputs[4:]:
         axes[name] = {0: "batch", 1: "past_tokens"}
-    for name in outputs[2:]:
-        axes[name] = {0: "batch", 1: "new_tokens"}
+    for name in outputs:
+        if name.startswith("new_"):
+            axes[name] = {0: "batch", 1: "new_tokens"}
     return _export(TargetGraph(model), args, path, inputs, outputs, axes, opset)
 
 
@@ -143,19 +145,3 @@ def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: s
             "past_value": {1: "past_tokens"}, "logits": {1: "new_tokens"}, "feedback": {1: "new_tokens"},
             "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
     return _export(DrafterStepGraph(drafter, first), args, path, DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, axes, opset)
-
-
-def export_accept_greedy(path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
-    """The greedy acceptance graph; `dtype` is the target's logits type. It has no weights, so
-    one graph serves any target and tree of that dtype."""
-    B, V = TRACE_BATCH, 11
-    # traced on a real tree (root, two children, a grandchild) plus a padding row
-    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [0, 0, 0, 0, 1]],
-                        dtype=torch.bool).repeat(B, 1, 1)
-    T = mask.shape[1]
-    example = (torch.randn(B, T, V).to(DTYPES[dtype]), torch.randint(0, V, (B, T)), mask)
-    axes = {"logits": {0: "batch", 1: "new_tokens", 2: "vocab"}, "input_ids": {0: "batch", 1: "new_tokens"},
-            "tree_mask": {0: "batch", 1: "new_tokens", 2: "new_tokens"},
-            "accept_path": {0: "batch", 1: "new_tokens"}, "accept_length": {0: "batch"},
-            "accept_tokens": {0: "batch", 1: "new_tokens"}}
-    return _export(GreedyAcceptGraph(), example, path, ACCEPT_INPUTS, ACCEPT_OUTPUTS, axes, opset)

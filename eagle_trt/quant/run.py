@@ -113,11 +113,9 @@ def run_graph(path: str | Path, feeds: dict[str, np.ndarray], threads: int | Non
 class Fp8OrtTarget(OrtTarget):
     """OrtTarget with the FP8 session settings."""
 
-    def __init__(self, path: str | Path, max_context: int, threads: int | None = 1, min_rows: int = 2,
-                 accept_graph: str | Path | None = None):
+    def __init__(self, path: str | Path, max_context: int, threads: int | None = 1, min_rows: int = 2):
         # min_rows=2: token-by-token calls take the arithmetic path of verification (see OrtTarget)
-        super().__init__(path, max_context, threads, min_rows=min_rows, accept_graph=accept_graph, level=FP8_ORT_LEVEL,
-                         config=FP8_SESSION_CONFIG)
+        super().__init__(path, max_context, threads, min_rows=min_rows, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
 
 
 class Fp8OrtDrafter(OrtDrafter):

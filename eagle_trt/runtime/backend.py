@@ -69,6 +69,9 @@ class _Batched:
 
 class TargetBackend(_Batched):
     max_context: int
+    # (logits, path, length, tokens) of the last call, where the target graph computed its own
+    # greedy acceptance (the accept_* outputs of every exported target graph)
+    _graph_accept: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def reset(self, capacity: int = CHUNK) -> None:
         """Drop every sequence; with `capacity`, preallocate that many rows per slot."""
@@ -87,12 +90,12 @@ class TargetBackend(_Batched):
         return self._forward(input_ids, positions, mask, slots, index)
 
     def _forward(self, input_ids, positions, mask, slots, index):
-        T = int(input_ids.shape[1])
+        T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)
         slots, lengths, width = self._stage(slots, T)
-        past = torch.arange(width)[None] < lengths[:, None]                                  # [b, width]
-        full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to("cpu", torch.bool)), dim=2)
+        past = torch.arange(width, device=dev)[None] < lengths.to(dev)[:, None]              # [b, width]
+        full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to(torch.bool)), dim=2)
         logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
-        self.cache.write(new_k, new_v)
+        self.cache.write(new_k, new_v)          # held until commit copies the accepted rows
         return logits, captured
 
     def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, logits_index: Tensor, slots: range,
@@ -105,9 +108,13 @@ class TargetBackend(_Batched):
         self.cache.commit(rows)
 
     def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Greedy acceptance of the trees a verification call just scored (verify.accept_greedy_batch
-        on the argmax of `logits` [b, T, V]), where the logits are; a backend with a compiled
-        acceptance graph runs that instead. Returns path [b, T], length [b], tokens [b, T]."""
+        """Greedy acceptance of the trees a verification call just scored: what the target graph
+        computed in the call that returned `logits`, where it did (no second call, nothing
+        computed on the host); else verify.accept_greedy_batch on the argmax of `logits`
+        [b, T, V], where the logits are. Returns path [b, T], length [b], tokens [b, T]."""
+        done = self._graph_accept
+        if done is not None and done[0] is logits:
+            return done[1:]
         return accept_greedy_batch(logits.argmax(-1), input_ids.to(logits.device), tree_mask.to(logits.device))
 
 
@@ -139,9 +146,10 @@ class DrafterBackend(_Batched):
 
 
 def tree_from_outputs(out: dict[str, Tensor]) -> DraftTree:
-    """A DraftTree from a drafter-tree graph's named outputs (any backend), on the CPU."""
-    return DraftTree(*(out[n].cpu() for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
-                     out["tree_scores"].float().cpu())
+    """A DraftTree from a drafter-tree graph's named outputs (any backend), where they are: the
+    decoder builds the verification inputs from it on the same device."""
+    return DraftTree(*(out[n] for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
+                     out["tree_scores"].float())
 
 
 class TorchTarget(TargetBackend):

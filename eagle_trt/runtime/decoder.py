@@ -237,30 +237,36 @@ class SpeculativeDecoder:
 
         def tree(i: int) -> DraftTree:
             if i not in trees:
-                trees[i] = full.row(i).top(n) if n > 0 else _empty_tree("cpu")
+                trees[i] = full.row(i).top(n) if n > 0 else _empty_tree(dev)
             return trees[i]
-        lengths = torch.tensor(self.target.lengths)
+        # the verification inputs are built where the trees are (the drafter's device): on a GPU
+        # the only host-to-device copies are the roots and lengths
+        dev = full.tokens.device if n > 0 else torch.device("cpu")
+        lengths = torch.tensor(self.target.lengths, device=dev)
         if n > 0 and n >= self.nodes:     # every node: the batch's trees as the drafter returned them
-            ids = torch.cat((torch.tensor(roots)[:, None], full.tokens.cpu()), 1)
-            positions, mask = lengths[:, None] + full.depths.cpu(), full.mask.cpu()
+            ids = torch.cat((torch.tensor(roots, device=dev)[:, None], full.tokens), 1)
+            positions, mask = lengths[:, None] + full.depths, full.mask
         else:
             subtrees = [tree(i) for i in range(B)]
-            ids = torch.stack([torch.cat((torch.tensor([r]), t.tokens.cpu())) for r, t in zip(roots, subtrees)])
-            positions = torch.stack([lengths[i] + t.depths.cpu() for i, t in enumerate(subtrees)])
-            mask = torch.stack([t.mask.cpu() for t in subtrees])
+            ids = torch.stack([torch.cat((torch.tensor([r], device=dev), t.tokens)) for r, t in zip(roots, subtrees)])
+            positions = torch.stack([lengths[i] + t.depths for i, t in enumerate(subtrees)])
+            mask = torch.stack([t.mask for t in subtrees])
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
-        # greedy rows: the whole batch at once, one transfer of the paths and tokens
-        greedy = zip(*(t.tolist() for t in self.target.accept_greedy(logits, ids, mask)))
-        node_ids = ids.tolist()
-        for i, ((path, length, tokens), s) in enumerate(zip(greedy, batch)):
+        # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
+        # outputs), and one transfer to the host of every path, length and token
+        path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
+        K = path_t.shape[1]
+        greedy = torch.cat((path_t, length_t[:, None], tokens_t), 1).tolist()
+        for i, (row, s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling
             if sampling.greedy:
-                path, new = path[:length], tokens[:length]
+                length = row[K]
+                path, new = row[:length], row[K + 1:K + 1 + length]
             else:
-                path, bonus = accept_sampled(tree(i), logits[i], sampling, s.gen)
-                new = [node_ids[i][j] for j in path[1:]] + [bonus]
+                path, bonus = accept_sampled(tree(i).to("cpu"), logits[i], sampling, s.gen)
+                new = [int(ids[i, j]) for j in path[1:]] + [bonus]
             paths.append(path)
             news.append(new)
             if self.cost_model is not None and n > 0:

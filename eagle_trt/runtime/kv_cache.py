@@ -1,9 +1,10 @@
 """A KV cache for a batch of sequences, each with its own committed length.
 
 Layout [L, B, S, Hkv, D]: sequence b owns slot b, its committed rows are 0..length[b]-1 in
-order (row index = position), and a forward pass stages its new rows right after them. After
-verification `commit(rows)` moves each sequence's accepted rows into place and advances its
-length. Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
+order (row index = position), and a forward pass stages its new rows right after them. The
+graph's new rows are held where the graph wrote them (`write` keeps a reference); after
+verification `commit(rows)` copies each sequence's accepted rows straight into place, one
+indexed copy per cache, and advances its length (the rows a call rejects are never copied). Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
 binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`)."""
 from __future__ import annotations
@@ -24,6 +25,7 @@ class KVCache:
         self.lengths: list[int] = []
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
+        self.new_rows: tuple[Tensor, Tensor] | None = None   # the last forward's K / V rows [L, b, T, Hkv, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
         L, H, D = self.layout
@@ -79,37 +81,38 @@ class KVCache:
         return self.k[layer, slots.start:slots.stop, :width], self.v[layer, slots.start:slots.stop, :width]
 
     def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor) -> None:
-        """Store the staged rows ([b, T, Hkv, D] per layer, or all layers as one [L, b, T, Hkv, D]
-        tensor) after each sequence's committed ones."""
-        T = self.staged
-        for buf, new in ((self.k, new_k), (self.v, new_v)):
-            rows = new if isinstance(new, Tensor) else torch.stack(new)   # [L, b, T, Hkv, D]
-            for i, b in enumerate(self.staged_slots):                     # one run of rows per sequence
-                buf[:, b, self.lengths[b]:self.lengths[b] + T] = rows[:, i]
+        """The staged rows ([b, T, Hkv, D] per layer, or all layers as one [L, b, T, Hkv, D]
+        tensor), kept as they are until `commit` copies the accepted ones into place: the caller
+        must not overwrite them before it commits (the backends' staging buffers are rewritten
+        only by their next call)."""
+        self.new_rows = tuple(new if isinstance(new, Tensor) else torch.stack(new) for new in (new_k, new_v))
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """(slot, row) pairs as the two index tensors of an advanced-indexing read or write."""
         index = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(self.k.device)
         return index[:, 0], index[:, 1]
 
-    def _moved_rows(self, moved: list[tuple[int, list[int]]], source: bool) -> tuple[Tensor, Tensor]:
-        return self._index([(b, self.lengths[b] + (r if source else i)) for b, rows in moved
-                            for i, r in enumerate(rows)])
-
     def commit(self, rows: list[list[int]]) -> None:
         """Keep staged rows rows[i] (increasing indices into the last forward's T rows) of the i-th
-        staged sequence as its next committed rows."""
+        staged sequence as its next committed rows: copied from the written rows to right after
+        its committed ones."""
         slots = self.staged_slots
         if len(rows) != len(slots):
             raise ValueError(f"commit got rows for {len(rows)} sequences, {len(slots)} were staged")
         if any(not 0 <= r < self.staged for seq in rows for r in seq):
             raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
-        moved = [(b, r) for b, r in zip(slots, rows) if r != list(range(len(r)))]
-        if moved:   # accepted tree nodes: compact them into place
-            sb, sr = self._moved_rows(moved, source=True)
-            db, dr = self._moved_rows(moved, source=False)
-            self.k[:, db, dr] = self.k[:, sb, sr]
-            self.v[:, db, dr] = self.v[:, sb, sr]
+        if self.new_rows is None:
+            raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
+        new_k, new_v = self.new_rows
+        if len(slots) == 1 and rows[0] == list(range(len(rows[0]))):   # one sequence, a run of rows: slices
+            b, n, at = slots.start, len(rows[0]), self.lengths[slots.start]
+            self.k[:, b, at:at + n] = new_k[:, 0, :n]
+            self.v[:, b, at:at + n] = new_v[:, 0, :n]
+        elif any(rows):
+            src = self._index([(i, r) for i, seq in enumerate(rows) for r in seq])
+            dst = self._index([(b, self.lengths[b] + j) for b, seq in zip(slots, rows) for j in range(len(seq))])
+            self.k[:, dst[0], dst[1]] = new_k.to(self.k.device)[:, src[0], src[1]]
+            self.v[:, dst[0], dst[1]] = new_v.to(self.v.device)[:, src[0], src[1]]
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
-        self.staged, self.staged_slots = 0, range(0)
+        self.staged, self.staged_slots, self.new_rows = 0, range(0), None

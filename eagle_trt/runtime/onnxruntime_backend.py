@@ -1,10 +1,10 @@
-"""ONNX Runtime backend: the exported target graph and the drafter graph with the tree baked
-in, two graph calls per iteration.
+"""ONNX Runtime backend: the exported target graph (greedy acceptance at its end) and the
+drafter graph with the tree baked in, two graph calls per iteration.
 
 Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
 layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
-rows into a preallocated staging tensor, copied into each sequence's staged rows (B * T rows
-per layer). Those bindings (4L for the target, 4 for the drafter) are made once per call shape
+rows into a preallocated staging tensor, from which the commit copies only the accepted rows
+into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter) are made once per call shape
 and kept (`Bindings`): the past is bound at the cache's full capacity, so the shape changes
 only when the cache grows. Every other output is written by the graph straight into a tensor
 allocated for the call (bound by address: nothing is copied out)."""
@@ -135,11 +135,8 @@ class OrtTarget(_Timed, TargetBackend):
     need it, but FP8 activations turn such last-bit differences into different tokens."""
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
-                 accept_graph: str | Path | None = None, **session_kwargs):
+                 **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
-        # the greedy acceptance graph (export_accept_greedy), a handful of integer ops: one thread
-        self.acceptor = make_session(accept_graph, 1) if accept_graph is not None else None
-        self.accept_seconds = 0.0      # inside the acceptance graph (graph work, not host work; not a verify call)
         self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
@@ -152,8 +149,7 @@ class OrtTarget(_Timed, TargetBackend):
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
         self.bindings = Bindings(self.session, [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}")
                                                 for i in range(self.num_layers)])
-        if self.acceptor is not None:   # one binding, its inputs and fresh outputs rebound per call
-            self.accept_io = self.acceptor.io_binding()
+        self.graph_accepts = set(ACCEPT_OUTPUTS) <= set(outputs)   # graphs exported before format 5 do not
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
@@ -182,26 +178,15 @@ class OrtTarget(_Timed, TargetBackend):
         captured = torch.empty((b, T, self.captured_width), dtype=self.captured_dtype)
         bind_buffer(io, "logits", logits)
         bind_buffer(io, "captured", captured)
+        if self.graph_accepts:
+            K = len(logits_index)
+            accept = (torch.empty((b, K), dtype=torch.int64), torch.empty(b, dtype=torch.int64),
+                      torch.empty((b, K), dtype=torch.int64))
+            for name, buf in zip(ACCEPT_OUTPUTS, accept):
+                bind_buffer(io, name, buf)
+            self._graph_accept = (logits, *accept)
         self._run_graph(io)
         return logits, captured, staging[0], staging[1]
-
-
-    def accept_greedy(self, logits, input_ids, tree_mask):
-        if self.acceptor is None:
-            return super().accept_greedy(logits, input_ids, tree_mask)
-        io = self.accept_io
-        io.bind_cpu_input("logits", logits.contiguous().numpy())
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
-        io.bind_cpu_input("tree_mask", tree_mask.to(torch.bool).contiguous().numpy())
-        b, T = input_ids.shape
-        path, tokens, length = torch.empty((b, T), dtype=torch.int64), torch.empty((b, T), dtype=torch.int64), \
-            torch.empty(b, dtype=torch.int64)
-        for name, buf in zip(ACCEPT_OUTPUTS, (path, length, tokens)):
-            bind_buffer(io, name, buf)
-        start = time.perf_counter()
-        self.acceptor.run_with_iobinding(io)
-        self.accept_seconds += time.perf_counter() - start
-        return path, length, tokens
 
 
 class OrtDrafter(_Timed, DrafterBackend):

@@ -3,10 +3,13 @@ behind the same TargetBackend / DrafterBackend protocols as the PyTorch and ONNX
 
 Device buffers are torch CUDA tensors: the batched KV caches (runtime/kv_cache.py) live on the
 GPU in the engines' [B, S, Hkv, D] layout, so a block of sequences' past is bound as `past_*`
-without a copy, and the new rows the engine returns are copied into each sequence's staged
-rows on the GPU. One execution context per optimization profile: the target engine has
-prefill (0, batch 1) and verification (1, batch up to engines.max_batch), the drafter engine
-one. Calls are enqueued on one CUDA stream with set_input_shape / set_tensor_address /
+without a copy, and the commit copies the accepted ones of the new rows the engine returns into
+place on the GPU. The target engine's greedy acceptance (accept_* outputs) and the drafter's
+trees stay on the GPU too: the decoder builds the next verification inputs there and copies
+only the accepted paths, lengths and tokens to the host, once per iteration (sampled
+acceptance reads the logits rows it needs). One execution context per optimization profile:
+the target engine has prefill (0, batch 1) and verification (1, batch up to
+engines.max_batch), the drafter engine one. Calls are enqueued on one CUDA stream with set_input_shape / set_tensor_address /
 execute_async_v3.
 
 Importable only where TensorRT is installed (an NVIDIA GPU and driver are needed to run it)."""
@@ -127,9 +130,14 @@ class TrtTarget(TargetBackend):
         outputs = {}
         shapes = {"input_ids": (B, T), "past_key_0": (B, width, self.kv_heads, self.head_dim)}
         self.engine.run(_profile(self.engine, shapes, T), feeds, outputs)
-        # Verification runs on the host (a few hundred values per sequence); captured stays on the GPU.
+        # Everything stays on the GPU: greedy acceptance comes out of the engine (its accept_*
+        # outputs), and only the accepted paths and tokens are copied to the host by the decoder;
+        # sampled acceptance reads the logits rows it needs.
+        logits = outputs["logits"]
+        if "accept_path" in outputs:
+            self._graph_accept = (logits, outputs["accept_path"], outputs["accept_length"], outputs["accept_tokens"])
         new = [outputs[f"new_{kv}_{i}"] for i in range(self.num_layers) for kv in ("key", "value")]
-        return outputs["logits"].float().cpu(), outputs["captured"], new[0::2], new[1::2]
+        return logits, outputs["captured"], new[0::2], new[1::2]
 
 
 class TrtDrafter(DrafterBackend):

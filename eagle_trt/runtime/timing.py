@@ -29,11 +29,11 @@ HOST_THREADS = 1
 
 
 def graph_seconds(*backends) -> float | None:
-    """Seconds the backends spent inside graph calls so far, the greedy accept graph included
-    (None: a backend does not count them); wall time minus this is host work."""
+    """Seconds the backends spent inside graph calls so far (None: a backend does not count
+    them); wall time minus this is host work."""
     if not all(hasattr(b, "graph_seconds") for b in backends if b is not None):
         return None
-    return sum(b.graph_seconds + getattr(b, "accept_seconds", 0.0) for b in backends if b is not None)
+    return sum(b.graph_seconds for b in backends if b is not None)
 
 
 @contextmanager
@@ -58,10 +58,9 @@ class OrtDecoding:
 
     @classmethod
     def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
-             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
-             accept_graph: str | Path | None = None) -> OrtDecoding:
-        """accept_graph: the greedy acceptance graph for the speculative target (else acceptance runs on the host)."""
-        target = target or OrtTarget(target_graph, max_context, threads, accept_graph=accept_graph)
+             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None
+             ) -> OrtDecoding:
+        target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
         plain = OrtTarget(target_graph, max_context, threads, spin=True)
         return cls(target, drafter, plain, SpeculativeDecoder(target, drafter, eos, vocab_size), eos)
