@@ -41,9 +41,9 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int) -> tupl
 # reported; nested labels are parts of the one above them
 PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
           (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
-          (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV write / commit"),
-          (TargetBackend, "_forward", "  verification (acceptance in the graph): masks, bind, outputs, KV write"),
-          (KVCache, "commit", "  KV commits (the target's; the drafter's, inside drafting)"),
+          (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV commit"),
+          (TargetBackend, "_forward", "  verification (acceptance in the graph): masks, bind, outputs"),
+          (KVCache, "commit", "  KV commits: accepted rows copied into place (the drafter's inside drafting)"),
           (Sequence, "extend", "  streaming and stop checks")]
 
 

@@ -90,9 +90,11 @@ class BlsTarget(TargetBackend):
         self._new_cache(self.layers, self.kv["heads"], self.kv["head_dim"], capacity, self.dtype, self.device)
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        inputs = [pb_utils.Tensor("input_ids", input_ids.numpy().astype(np.int64)),
-                  pb_utils.Tensor("position_ids", positions.numpy().astype(np.int64)),
-                  pb_utils.Tensor("attention_mask", mask.numpy()), pb_utils.Tensor("logits_index", logits_index.numpy())]
+        # the trees (so these inputs) may be on the GPU, where the drafter engine returned them
+        inputs = [pb_utils.Tensor("input_ids", input_ids.cpu().numpy().astype(np.int64)),
+                  pb_utils.Tensor("position_ids", positions.cpu().numpy().astype(np.int64)),
+                  pb_utils.Tensor("attention_mask", mask.cpu().numpy()),
+                  pb_utils.Tensor("logits_index", logits_index.numpy())]
         for i in range(self.layers):
             past_k, past_v = self._past(slots, width, i)
             inputs += [_dl(f"past_key_{i}", past_k), _dl(f"past_value_{i}", past_v)]
