@@ -9,8 +9,11 @@ trees stay on the GPU too: the decoder builds the next verification inputs there
 only the accepted paths, lengths and tokens to the host, once per iteration (sampled
 acceptance reads the logits rows it needs). One execution context per optimization profile:
 the target engine has prefill (0, batch 1) and verification (1, batch up to
-engines.max_batch), the drafter engine one. Calls are enqueued on one CUDA stream with set_input_shape / set_tensor_address /
-execute_async_v3.
+engines.max_batch), the drafter engine one. Calls are enqueued with set_input_shape /
+set_tensor_address / execute_async_v3 on torch's current CUDA stream (or a given one, ordered
+against it by stream waits on the GPU): an engine call itself never makes the host wait. The
+decoder's copy of the accepted tokens does, and so may its few small host-to-device copies
+(roots, lengths, commit indices: pageable copies), which is not measured: no GPU has run this.
 
 Importable only where TensorRT is installed (an NVIDIA GPU and driver are needed to run it)."""
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Engine:
     """A deserialized plan with one execution context per optimization profile."""
 
     def __init__(self, plan: str | Path, stream: torch.cuda.Stream | None = None):
+        """stream: where the calls are enqueued (default: torch's current stream, the one the
+        decoder's tensor ops run on, so no synchronisation is needed between them)."""
         plan = Path(plan)
         if not plan.is_file():
             raise FileNotFoundError(f"{plan}: TensorRT plan not found")
@@ -48,7 +53,7 @@ class Engine:
             raise ValueError(f"{plan}: TensorRT cannot deserialize this plan (built by another TensorRT version "
                              f"or for another GPU?)")
         self.path = plan
-        self.stream = stream or torch.cuda.Stream()
+        self.stream = stream or torch.cuda.current_stream()
         self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in self.names if n not in self.inputs]
@@ -72,7 +77,7 @@ class Engine:
 
     def run(self, profile: int, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
         """Bind inputs (their shapes select the output shapes) and given output buffers, allocate
-        the other outputs, enqueue and wait. Fills `outputs` with every output tensor."""
+        the other outputs and enqueue, without waiting. Fills `outputs` with every output tensor."""
         context = self.contexts[profile]
         for name in self.inputs:
             t = inputs[name]
@@ -88,10 +93,15 @@ class Engine:
             elif tuple(outputs[name].shape) != shape:
                 raise ValueError(f"{self.path}: output '{name}' has shape {shape}, buffer {tuple(outputs[name].shape)}")
             context.set_tensor_address(name, outputs[name].data_ptr())
-        torch.cuda.current_stream().synchronize()   # inputs written on the default stream are ready
+        current = torch.cuda.current_stream()
+        if self.stream != current:        # a stream of its own: ordered against torch's on the GPU
+            self.stream.wait_stream(current)
         if not context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"{self.path}: execute_async_v3 failed (see the TensorRT log)")
-        self.stream.synchronize()
+        if self.stream != current:
+            current.wait_stream(self.stream)
+            for t in outputs.values():    # made on torch's stream, written on ours: not reused too early
+                t.record_stream(self.stream)
 
 
 def _cuda(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
