@@ -87,10 +87,8 @@ class KVCache:
         only by their next call)."""
         self.new_rows = tuple(new if isinstance(new, Tensor) else torch.stack(new) for new in (new_k, new_v))
 
-    def _index(self, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-        """(slot, row) pairs as the two index tensors of an advanced-indexing read or write."""
-        index = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(self.k.device)
-        return index[:, 0], index[:, 1]
+    def _flat(self, rows: list[int]) -> Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.k.device)
 
     def commit(self, rows: list[list[int]]) -> None:
         """Keep staged rows rows[i] (increasing indices into the last forward's T rows) of the i-th
@@ -108,11 +106,13 @@ class KVCache:
             b, n, at = slots.start, len(rows[0]), self.lengths[slots.start]
             self.k[:, b, at:at + n] = new_k[:, 0, :n]
             self.v[:, b, at:at + n] = new_v[:, 0, :n]
-        elif any(rows):
-            src = self._index([(i, r) for i, seq in enumerate(rows) for r in seq])
-            dst = self._index([(b, self.lengths[b] + j) for b, seq in zip(slots, rows) for j in range(len(seq))])
-            self.k[:, dst[0], dst[1]] = new_k.to(self.k.device)[:, src[0], src[1]]
-            self.v[:, dst[0], dst[1]] = new_v.to(self.v.device)[:, src[0], src[1]]
+        elif any(rows):   # rows of (slot, row) flattened: index_select / index_copy_, 2x an indexed assignment
+            L, _, S, H, D = self.k.shape
+            T = new_k.shape[2]
+            src = self._flat([i * T + r for i, seq in enumerate(rows) for r in seq])
+            dst = self._flat([b * S + self.lengths[b] + j for b, seq in zip(slots, rows) for j in range(len(seq))])
+            for buf, new in ((self.k, new_k), (self.v, new_v)):
+                buf.view(L, -1, H, D).index_copy_(1, dst, new.to(buf.device).reshape(L, -1, H, D).index_select(1, src))
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
