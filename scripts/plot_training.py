@@ -3,7 +3,8 @@
     python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \\
         --out docs/results/training/agreement.png
 
-Reads each folder's train_log.json (a shipped compact log or a run's full log): every entry with
+Reads each folder's train_log.json (a shipped compact log or a run's full log) and the logs of
+the legs before it (`previous`): every entry with
 `eval_acc` and `cpu_s` (training CPU seconds, all threads, evaluation excluded, counted from the
 weights' first step) is a point. Agreement = the drafter's top-1 equals the target's greedy token
 at that TTT step (step 1 = the first draft token) on the held-out set named in the log. Prints
@@ -16,11 +17,21 @@ import sys
 from pathlib import Path
 
 
+def held_out_of(log: dict) -> str:
+    return log.get("eval", {}).get("distill", "the last training sequences")
+
+
 def curve(folder: Path) -> tuple[str, list[tuple[float, list[float]]], str]:
+    """The points of the weights' whole lineage (each leg's log keeps the log of the weights it
+    started from under `previous`), oldest first, where a leg was evaluated on the same held-out
+    set as the last one."""
     log = json.loads((folder / "train_log.json").read_text())
-    entries = log.get("log") or log.get("log_every_50") or []
-    points = [(e["cpu_s"] / 3600, e["eval_acc"]) for e in entries if "eval_acc" in e and "cpu_s" in e]
-    held_out = log.get("eval", {}).get("distill", "the last training sequences")
+    held_out, legs = held_out_of(log), []
+    while log:
+        legs.append(log)
+        log = log.get("previous")
+    points = [(e["cpu_s"] / 3600, e["eval_acc"]) for leg in reversed(legs) if held_out_of(leg) == held_out
+              for e in leg.get("log") or leg.get("log_every_50") or [] if "eval_acc" in e and "cpu_s" in e]
     return folder.name, points, held_out
 
 
