@@ -4,9 +4,9 @@ drafter graph with the tree baked in, two graph calls per iteration.
 Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
 layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
 rows into a preallocated staging tensor, from which the commit copies only the accepted rows
-into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter) are made once per call shape
-and kept (`Bindings`): the past is bound at the cache's full capacity, so the shape changes
-only when the cache grows. Every other output is written by the graph straight into a tensor
+into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter)
+are made once per call shape and kept (`Bindings`): the past is bound at the cache's full
+capacity, so the shape changes only when the cache grows. Every other output is written by the graph straight into a tensor
 allocated for the call (bound by address: nothing is copied out)."""
 from __future__ import annotations
 
