@@ -4,7 +4,8 @@ Layout [L, B, S, Hkv, D]: sequence b owns slot b, its committed rows are 0..leng
 order (row index = position), and a forward pass stages its new rows right after them. The
 graph's new rows are held where the graph wrote them (`write` keeps a reference); after
 verification `commit(rows)` copies each sequence's accepted rows straight into place, one
-indexed copy per cache, and advances its length (the rows a call rejects are never copied). Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
+indexed copy per cache, and advances its length (the rows a call rejects are never copied).
+Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
 binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`)."""
 from __future__ import annotations
