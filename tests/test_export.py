@@ -267,37 +267,47 @@ def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp
     assert after["drafter_tree"] != before["drafter_tree"]
 
 
-def test_a_graph_past_2gb_keeps_its_weights_out_of_memory_and_in_one_file(tmp_path):
-    """What the exporter writes past 2 GB (one file per tensor) is loaded without its weights
-    and copied tensor by tensor into `<graph>.data`, a tied lm_head copy dropped on the way
-    (read from the files, not from memory): the result computes what the original did."""
+def test_export_attaches_each_weight_once_into_one_named_data_file(tmp_path, monkeypatch):
+    """Export traces placeholders and attaches the real weights tensor by tensor: with external
+    data forced, one `<graph>.data` holds every weight once, named after the module's parameters
+    (Linear weights transposed, `_t`), a tied lm_head reads the embedding table through a
+    Transpose, and the graph computes what PyTorch does, in float32 and float16."""
     import onnxruntime as ort
 
-    from eagle_trt.export.graph_files import graph_files, save_graph
-    from eagle_trt.export.tied_weights import share_tied_weights
-    rng = np.random.default_rng(0)
-    table = rng.standard_normal((64, 32)).astype(np.float32)
-    w1 = rng.standard_normal((32, 32)).astype(np.float32)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"]),
-             helper.make_node("MatMul", ["x", "w1"], ["h"]),
-             helper.make_node("MatMul", ["h", "lm_head"], ["logits"])]
-    inits = [onnx.numpy_helper.from_array(a, n) for a, n in ((table, "table"), (w1, "w1"), (table.T.copy(), "lm_head"))]
-    model = helper.make_model(helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 64])], inits),
-        opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    src = tmp_path / "exporter"
-    src.mkdir()
-    onnx.save(model, str(src / "g.onnx"), save_as_external_data=True, all_tensors_to_one_file=False,
-              size_threshold=0)
-    assert len(list(src.iterdir())) == 4              # the graph and one file per tensor
-    loaded = onnx.load(str(src / "g.onnx"), load_external_data=False)
-    assert share_tied_weights(loaded, src) == ["lm_head"]
-    out = tmp_path / "out" / "g.onnx"
-    out.parent.mkdir()
-    written = save_graph(loaded, out, source_dir=src)
-    assert written == [out, out.with_name("g.onnx.data")] == graph_files(out)
-    assert out.with_name("g.onnx.data").stat().st_size == table.nbytes + w1.nbytes
-    ids = np.array([3, 17, 63], dtype=np.int64)
-    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
-    np.testing.assert_allclose(got, table[ids] @ w1 @ table.T, rtol=1e-5, atol=1e-5)
+    from conftest import write_tiny_hf_target
+    from eagle_trt.checkpoints import load_target
+    from eagle_trt.export.graph_files import MIN_EXTERNAL_TENSOR, graph_files
+    from eagle_trt.models.target import causal_mask
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
+    target = load_target(write_tiny_hf_target(tmp_path / "tied", tie=True, layers=2))
+    model = target.model
+    assert model.lm_head.weight is model.embed_tokens.weight
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for dtype, tol in (("float32", 1e-4), ("float16", 2e-2)):
+        path = tmp_path / dtype / "target.onnx"
+        export_target(model, path, dtype)
+        data = path.with_name("target.onnx.data")
+        assert graph_files(path) == [path, data] and sorted(p.name for p in path.parent.iterdir()) == \
+            ["target.onnx", "target.onnx.data"]
+        graph = onnx.load(str(path), load_external_data=False)
+        names = {i.name for i in graph.graph.initializer}
+        assert "model.embed_tokens.weight" in names and "model.lm_head.weight_t" not in names
+        assert "model.layers.0.self_attn.q_proj.weight_t" in names
+        assert not any(n.startswith("onnx::") for n in names)
+        itemsize = 4 if dtype == "float32" else 2
+        sizes = [v.numel() * itemsize for v in model.parameters()]      # tied: counted once
+        assert data.stat().st_size == sum(n for n in sizes if n >= MIN_EXTERNAL_TENSOR)   # small ones stay inline
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())   # the model is untouched
+        ids = torch.tensor([[5, 17, 42, 3]])
+        args = {"input_ids": ids.numpy(), "position_ids": torch.arange(4)[None].numpy(),
+                "attention_mask": causal_mask(4, 0).numpy(), "logits_index": np.arange(4)}
+        np_dtype = np.float32 if dtype == "float32" else np.float16
+        for i in range(model.cfg.num_hidden_layers):
+            for kind in ("key", "value"):
+                args[f"past_{kind}_{i}"] = np.zeros((1, 0, model.cfg.num_key_value_heads, model.cfg.head_dim), np_dtype)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = session.run(["logits"], args)[0].astype(np.float32)
+        empty = [torch.zeros(1, 0, model.cfg.num_key_value_heads, model.cfg.head_dim)] * model.cfg.num_hidden_layers
+        with torch.no_grad():
+            want = model(ids, torch.arange(4)[None], causal_mask(4, 0), empty, empty).logits
+        np.testing.assert_allclose(got, want.numpy(), rtol=tol, atol=tol)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import hashlib
 import json
 import shutil
@@ -187,6 +188,11 @@ class Build:
             models.drafter_source = r["drafter"]["label"]
             self._models = models
         return self._models
+
+    def release_models(self) -> None:
+        """Drop the PyTorch models; a later stage that needs them loads them again."""
+        self._models = None
+        gc.collect()
 
     # ------------------------------------------------------------------ stages
 

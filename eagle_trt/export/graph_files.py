@@ -70,7 +70,7 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     return [path, data] if data.exists() else [path]     # no data file when no tensor is large enough
 
 
-def _point(tensor: onnx.TensorProto, data: Path, offset: int, size: int) -> None:
+def point_to_data(tensor: onnx.TensorProto, data: Path, offset: int, size: int) -> None:
     del tensor.external_data[:]
     for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(size))):
         tensor.external_data.add(key=key, value=value)
@@ -85,7 +85,7 @@ def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, ch
         for tensor in model.graph.initializer:
             if not uses_external_data(tensor) and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
                 out.write(tensor.raw_data)
-                _point(tensor, data, offset, len(tensor.raw_data))
+                point_to_data(tensor, data, offset, len(tensor.raw_data))
                 offset += len(tensor.raw_data)
                 tensor.ClearField("raw_data")
                 moved.add(tensor.name)
@@ -105,7 +105,7 @@ def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, ch
                         raise GraphFileError(f"{src}: ends before the {size} bytes tensor {tensor.name!r} needs")
                     out.write(block)
                     left -= len(block)
-            _point(tensor, data, offset, size)
+            point_to_data(tensor, data, offset, size)
             offset += size
 
 

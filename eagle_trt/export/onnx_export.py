@@ -1,7 +1,6 @@
 """Trace the graphs in graphs.py to ONNX files, atomically, and check them."""
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
 import time
@@ -17,9 +16,9 @@ from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget, causal_mask
 from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, DrafterStepGraph,
                      DraftTreeGraph, TargetGraph, target_io_names)
-from .graph_files import install_graph, save_graph
+from .graph_files import install_graph
 from .opcheck import check_graph
-from .tied_weights import share_tied_weights
+from .weights import attach_weights, stand_in
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -35,11 +34,13 @@ class ExportedGraph:
     ops: list[str]
 
 
-def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
-            dynamic_axes: dict, opset: int, static_dims: dict[str, dict[int, int]] | None = None) -> ExportedGraph:
-    """Export into a temporary folder, check, then move into place (with external data if any).
-    static_dims: output sizes fixed by construction that shape inference lost behind a dynamic
-    axis (the tree's node count behind the batch axis), written into the graph's output types."""
+def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: Path, inputs: list[str],
+            outputs: list[str], dynamic_axes: dict, opset: int,
+            static_dims: dict[str, dict[int, int]] | None = None) -> ExportedGraph:
+    """Trace make_graph(stand-in of `module` in `dtype`) into a temporary folder, attach the real
+    weights tensor by tensor (weights.py), check, then move into place (with its data file if
+    any). static_dims: output sizes fixed by construction that shape inference lost behind a
+    dynamic axis (the tree's node count behind the batch axis), written into the output types."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -48,19 +49,16 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
         tmp_file = tmp / path.name
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")   # tracer warnings about python ints are expected and checked by tests
-            torch.onnx.export(module, args, str(tmp_file), input_names=inputs, output_names=outputs,
-                              dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
-                              do_constant_folding=True)
-        # Past 2 GB the exporter writes one file per tensor: the weights stay there (not loaded)
-        # and are copied tensor by tensor into the graph's one data file.
-        graph = onnx.load(str(tmp_file), load_external_data=False)
+            torch.onnx.export(make_graph(stand_in(module, DTYPES[dtype])), args, str(tmp_file), input_names=inputs,
+                              output_names=outputs, dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
+                              do_constant_folding=True, export_params=False)
+        graph = onnx.load(str(tmp_file))
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():
                 out.type.tensor_type.shape.dim[axis].dim_value = size
-        share_tied_weights(graph, tmp)            # a tied lm_head reads the embedding table, not a copy
         final = tmp / "out" / path.name
         final.parent.mkdir()
-        written = save_graph(graph, final, source_dir=tmp)   # the graph, and its weights in one named file when large
+        written = attach_weights(graph, make_graph(module), len(inputs), final)
         del graph
         onnx.checker.check_model(str(final))
         ops = sorted({n.op_type for n in onnx.load(str(final), load_external_data=False).graph.node})
@@ -71,20 +69,12 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs: list[str],
     return ExportedGraph(path, time.perf_counter() - start, ops)
 
 
-def _as_dtype(module, dtype: str):
-    """The module in `dtype`, copied when that differs: export must not change the caller's model."""
-    target = DTYPES[dtype]
-    current = next(module.parameters()).dtype
-    return (module if current == target else copy.deepcopy(module).to(target)).eval()
-
-
 def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype, batch: int = 1) -> torch.Tensor:
     return torch.randn(batch, length, num_kv_heads, head_dim).to(dtype)
 
 
 def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
     cfg = model.cfg
-    model = _as_dtype(model, dtype)
     inputs, outputs = target_io_names(cfg.num_hidden_layers)
     B, T, P = TRACE_BATCH, TRACE_NEW, TRACE_PAST
     past = [_kv_like(cfg.num_key_value_heads, cfg.head_dim, P, DTYPES[dtype], B) for _ in range(2 * cfg.num_hidden_layers)]
@@ -100,7 +90,7 @@ def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset:
     for name in outputs:
         if name.startswith("new_"):
             axes[name] = {0: "batch", 1: "new_tokens"}
-    return _export(TargetGraph(model), args, path, inputs, outputs, axes, opset)
+    return _export(TargetGraph, model, dtype, args, path, inputs, outputs, axes, opset)
 
 
 def _drafter_example(drafter: EagleDrafter, dtype, batch: int = 1) -> tuple:
@@ -114,7 +104,6 @@ def _drafter_example(drafter: EagleDrafter, dtype, batch: int = 1) -> tuple:
 
 def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dtype: str = "float32",
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
-    drafter = _as_dtype(drafter, dtype)
     shape.validate(drafter.cfg.draft_vocab_size)
     axes = {"captured": {0: "batch", 1: "new_tokens"}, "input_ids": {0: "batch", 1: "new_tokens"},
             "past_key": {0: "batch", 1: "past_tokens"}, "past_value": {0: "batch", 1: "past_tokens"},
@@ -128,13 +117,12 @@ def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dty
     N = shape.total_tokens
     nodes = {"tree_tokens": {1: N}, "tree_parents": {1: N + 1}, "tree_mask": {1: N + 1, 2: N + 1},
              "tree_depths": {1: N + 1}, "tree_scores": {1: N}}
-    return _export(DraftTreeGraph(drafter, shape), example, path, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, axes, opset,
-                   nodes)
+    return _export(lambda d: DraftTreeGraph(d, shape), drafter, dtype, example, path, DRAFT_TREE_INPUTS,
+                   DRAFT_TREE_OUTPUTS, axes, opset, nodes)
 
 
 def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: str = "float32",
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
-    drafter = _as_dtype(drafter, dtype)
     c = drafter.cfg
     captured, ids, pk, pv = _drafter_example(drafter, DTYPES[dtype])
     hidden = captured if first else torch.randn(1, TRACE_NEW, c.hidden_size).to(DTYPES[dtype])
@@ -144,4 +132,5 @@ def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: s
             "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "past_key": {1: "past_tokens"},
             "past_value": {1: "past_tokens"}, "logits": {1: "new_tokens"}, "feedback": {1: "new_tokens"},
             "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
-    return _export(DrafterStepGraph(drafter, first), args, path, DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, axes, opset)
+    return _export(lambda d: DrafterStepGraph(d, first), drafter, dtype, args, path, DRAFT_STEP_INPUTS,
+                   DRAFT_STEP_OUTPUTS, axes, opset)

@@ -140,7 +140,7 @@ class _Rewriter:
 
     def weight_source(self, name: str) -> tuple[str, bool] | None:
         """Follow Identity nodes back to an initializer; (its name, whether a 2-D Transpose lies on
-        the way: a tied lm_head reads the [vocab, hidden] embedding table, export/tied_weights.py)."""
+        the way: a tied lm_head reads the [vocab, hidden] embedding table, export/weights.py)."""
         transposed = False
         while name not in self.inits:
             node = self.producer.get(name)

@@ -445,6 +445,8 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
                 mean_loss = sum(e["loss"] for e in window) / len(window)
                 elapsed = time.perf_counter() - start
                 eta_min = (cfg.steps - step) * elapsed / max(step - first_step, 1) / 60
+                if time_budget_s is not None:     # a budget ends the run first when it is shorter
+                    eta_min = min(eta_min, max(time_budget_s - elapsed, 0.0) / 60)
                 log(f"train: step {step}/{cfg.steps}  loss {mean_loss:.4f}  acc {acc}  lr {entry['lr']:.2e}  "
                     f"{tokens / elapsed:.0f} tok/s  eta {eta_min:.1f} min")
                 window = []
