@@ -56,13 +56,13 @@ def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: 
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():
                 out.type.tensor_type.shape.dim[axis].dim_value = size
+        check_graph(graph, str(path))     # ops and types: the weights (graph inputs here) are not needed
         final = tmp / "out" / path.name
         final.parent.mkdir()
         written = attach_weights(graph, make_graph(module), len(inputs), final)
+        ops = sorted({n.op_type for n in graph.graph.node})
         del graph
         onnx.checker.check_model(str(final))
-        ops = sorted({n.op_type for n in onnx.load(str(final), load_external_data=False).graph.node})
-        check_graph(str(final))
         install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -80,7 +80,8 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
     """Make the graph inputs past the first `num_inputs` (the parameters of a stand-in of `real`,
     exported with export_params=False) initializers holding `real`'s values, and write the graph
     to `path`, with its weights in `path.data` past the external-data threshold (as save_graph
-    does). Returns the files written, the graph first."""
+    does). Returns the files written, the graph first. `graph` keeps the weights' metadata at
+    most, never their values."""
     params = list(graph.graph.input)[num_inputs:]
     sources = {p.name: _source(real, p.name) for p in params}
     held = {id(t): name for name, (t, transposed) in sources.items() if not transposed}
@@ -96,15 +97,33 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
     if data.exists():
         data.unlink()
     del graph.graph.input[num_inputs:]
-    transposes = [helper.make_node("Transpose", [table], [name], name=f"{table}_Transpose", perm=[1, 0])
-                  for name, table in tied.items()]
-    offset, out = 0, open(data, "wb") if external else None
-    try:
+    if tied:     # Transposes reading initializers only: first keeps the node order topological
+        nodes = [helper.make_node("Transpose", [table], [name], name=f"{table}_Transpose", perm=[1, 0])
+                 for name, table in tied.items()] + list(graph.graph.node)
+        del graph.graph.node[:]
+        graph.graph.node.extend(nodes)
+
+    def values():      # one tensor at a time: the only copy of a weight ever made
         for p in stored:
             tensor, transposed = sources[p.name]
             value = (tensor.t() if transposed else tensor).detach().to("cpu", _torch_dtype(dtype_of(p)))
-            value = value.contiguous().numpy()      # one tensor at a time: the only copy made
-            if out is not None and value.nbytes >= MIN_EXTERNAL_TENSOR:
+            yield p, value.contiguous().numpy()
+
+    path = Path(path)
+    if not external:
+        # The graph, then each weight as a message of its own: protobuf merges a repeated message
+        # field when it parses, so this is the graph with its initializers, serialized a tensor
+        # at a time instead of all at once (the in-memory `graph` stays without them).
+        with open(path, "wb") as f:
+            f.write(graph.SerializeToString())
+            for p, value in values():
+                init = numpy_helper.from_array(value, p.name)
+                f.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[init])).SerializeToString())
+        return [path]
+    offset = 0
+    with open(data, "wb") as out:
+        for p, value in values():
+            if value.nbytes >= MIN_EXTERNAL_TENSOR:
                 init = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
                 out.write(memoryview(value).cast("B"))
                 point_to_data(init, data, offset, value.nbytes)
@@ -112,16 +131,8 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
             else:
                 init = numpy_helper.from_array(value, p.name)
             graph.graph.initializer.append(init)
-            del value
-    finally:
-        if out is not None:
-            out.close()
-    if transposes:     # reading initializers only: first keeps the node order topological
-        nodes = transposes + list(graph.graph.node)
-        del graph.graph.node[:]
-        graph.graph.node.extend(nodes)
     onnx.save(graph, str(path))
-    return [Path(path), data] if external else [Path(path)]
+    return [path, data]
 
 
 __all__ = ["attach_weights", "stand_in"]
