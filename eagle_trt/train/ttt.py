@@ -434,7 +434,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             seen = (history[-1].get("tokens_seen", 0) if history else 0) + batch.tokens
             now = time.process_time()
             cpu_s, cpu_mark = cpu_s + now - cpu_mark, now
-            entry = {"step": step, "tokens_seen": seen, "cpu_s": round(cpu_s, 2), "loss": float(loss.detach()),
+            entry = {"step": step, "tokens_seen": seen, "cpu_s": round(cpu_s, 6), "loss": float(loss.detach()),
                      "step_loss": [float(x.detach()) for x in o.losses],
                      "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
             history.append(entry)
