@@ -127,9 +127,10 @@ def _file_namer(origin: dict[str, str]):
 
 
 def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
-               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
+               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
     """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
-    the file names it (`origin`: module name -> file name, from rename_tensors)."""
+    the file names it (`origin`: module name -> file name, from rename_tensors). assign=True
+    makes the tensors the module's own (no copy; for a module built with parameters_on_meta)."""
     file_name = _file_namer(origin) if origin else (lambda name: name)
     expected = {k: v for k, v in module.state_dict().items()}
     missing = sorted(file_name(k) for k in expected if k not in tensors and k not in optional)
@@ -145,7 +146,24 @@ def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source
         if tuple(value.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(value.shape)}, "
                                   f"the config implies {tuple(expected[name].shape)}")
-    module.load_state_dict(tensors, strict=False)
+    module.load_state_dict(tensors, strict=False, assign=assign)
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no random
+    init) and their buffers as usual; load_exact(..., assign=True) then gives them weights."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":    # a meta one is shared (tied): keep it
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 # ----------------------------------------------------------------------------- target
@@ -245,9 +263,17 @@ def load_target(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedT
     tensors, origin = rename_tensors(tensors, lambda k: _HF_LAYER.sub("", k))
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the embedding is the head
-    model = LlamaTarget(cfg)
+    with parameters_on_meta():
+        model = LlamaTarget(cfg)
+    # One copy of the weights at a time: each file tensor is converted, then dropped.
+    tensors = {name: tensors.pop(name).to(dtype) if tensors[name].is_floating_point() else tensors.pop(name)
+               for name in list(tensors)}
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_exact(model, tensors, source, optional, origin)
+    load_exact(model, tensors, source, optional, origin, assign=True)
+    model.tie_weights()
+    unloaded = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if unloaded:       # load_exact names missing tensors; this would be a parameter it was told to skip
+        raise CheckpointError(f"{source}: no weights for {unloaded[:5]}")
     return LoadedTarget(model.to(dtype).eval(), cfg, folder)
 
 

@@ -8,10 +8,11 @@ Writes a random Llama with `transformers` (default: the 0.83 B shape of issue 21
 safetensors in ~500 MB shards; made once and reused), then builds it once per precision (the
 target in that precision, a random EAGLE 3.1 drafter, the default tree, parity on 1 prompt,
 no engines, FP8 calibrated on 4 prompts), each in a fresh interpreter whose own peak RSS
-(getrusage; it counts memory-mapped graph weights, which are page cache the kernel can drop)
+(VmHWM; it counts memory-mapped graph weights, which are page cache the kernel can drop)
 and its peak anonymous memory (sampled each second; a call that holds the GIL, such as the
-ONNX export, is not sampled inside) are the numbers. Prints a table and writes `memory.json`
-into --out."""
+ONNX export, is not sampled inside) are the numbers, with each stage's wall time and exact
+peak RSS (VmHWM, reset through /proc/self/clear_refs as the stage starts). Prints a table and
+writes `memory.json` into --out."""
 from __future__ import annotations
 
 import argparse
@@ -25,24 +26,54 @@ SHAPE = dict(hidden_size=2048, num_hidden_layers=12, num_attention_heads=32, num
              intermediate_size=8192, tie_word_embeddings=True)
 # Runs the build CLI in this interpreter and reports its own peak RSS (the build starts no processes).
 PROBE = """
-import json, resource, runpy, sys, threading, time
+import json, runpy, sys, threading, time
 sys.argv = ["eagle_trt.build"] + sys.argv[1:]
 start = time.time()
 
 peak_anon = [0]
+peak_rss = [0]   # the build's peak RSS: the max of VmHWM over every span between two resets
+stages = []      # per stage: wall seconds and exact peak RSS (VmHWM, reset when the stage starts)
+
+
+def status_kb(*keys):
+    with open("/proc/self/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in keys}
+    return [kb[k] for k in keys]
+
 
 def sample():   # anonymous memory every second (the max), and RSS every 5 s into the log
     n = 0
     while True:
         time.sleep(1)
-        with open("/proc/self/status") as f:
-            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")}
-        peak_anon[0] = max(peak_anon[0], kb["RssAnon"] * 1024)
+        anon, file = status_kb("RssAnon", "RssFile")
+        peak_anon[0] = max(peak_anon[0], anon * 1024)
         n += 1
         if n % 5 == 0:
-            print(f"[rss {(kb['RssAnon'] + kb['RssFile']) / 1e6:.2f} GB (anonymous {kb['RssAnon'] / 1e6:.2f}) at "
+            print(f"[rss {(anon + file) / 1e6:.2f} GB (anonymous {anon / 1e6:.2f}) at "
                   f"{time.time() - start:.0f} s]", file=sys.stderr, flush=True)
 threading.Thread(target=sample, daemon=True).start()
+
+from eagle_trt.build import pipeline
+stage_run = pipeline.Build.run
+
+
+def reset_peak():
+    # "5" resets VmHWM to the current RSS (getrusage's ru_maxrss with it): the next read is this span's
+    peak_rss[0] = max(peak_rss[0], status_kb("VmHWM")[0] * 1024)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measured_run(self, name, *args, **kwargs):
+    reset_peak()
+    t0 = time.time()
+    try:
+        return stage_run(self, name, *args, **kwargs)
+    finally:
+        status = self.results[name].status if name in self.results else "failed"
+        stages.append({"stage": name, "status": status, "seconds": time.time() - t0,
+                       "peak_rss_bytes": status_kb("VmHWM")[0] * 1024})
+pipeline.Build.run = measured_run
 code = 0
 try:
     runpy.run_module("eagle_trt.build", run_name="__main__")
@@ -52,8 +83,9 @@ except BaseException:   # a crash still reports how far memory got
     import traceback
     traceback.print_exc()
     code = 1
+reset_peak()
 print("MEMORY " + json.dumps({"exit": code, "seconds": time.time() - start, "peak_anonymous_bytes": peak_anon[0],
-                              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                              "peak_rss_bytes": peak_rss[0], "stages": stages}))
 """
 
 
@@ -141,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {"target": str(target), "shape": SHAPE, "parameters": params, "fp32_weight_bytes": fp32_bytes,
               "threads": args.threads, "builds": rows}
     (args.out / "memory.json").write_text(json.dumps(report, indent=2))
-    print(f"{'precision':<10}{'seconds':>9}{'peak RSS GB':>13}{'x fp32 weights':>16}{'anonymous GB':>14}")
+    print(f"{'precision':<10}{'stage':<10}{'seconds':>9}{'peak RSS GB':>13}{'x fp32 weights':>16}{'anonymous GB':>14}")
     for m in rows:
-        print(f"{m['precision']:<10}{m['seconds']:>9.0f}{m['peak_rss_bytes'] / 1e9:>13.2f}"
+        for st in m["stages"]:
+            if st["status"] == "ran":
+                print(f"{m['precision']:<10}{st['stage']:<10}{st['seconds']:>9.0f}{st['peak_rss_bytes'] / 1e9:>13.2f}"
+                      f"{st['peak_rss_bytes'] / fp32_bytes:>16.2f}")
+        print(f"{m['precision']:<10}{'(build)':<10}{m['seconds']:>9.0f}{m['peak_rss_bytes'] / 1e9:>13.2f}"
               f"{m['peak_over_fp32_weights']:>16.2f}{m['peak_anonymous_bytes'] / 1e9:>14.2f}")
     return 0 if all(m["exit"] == 0 for m in rows) else 1
 

@@ -18,7 +18,7 @@ from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, D
                      DraftTreeGraph, TargetGraph, target_io_names)
 from .graph_files import install_graph
 from .opcheck import check_graph
-from .weights import attach_weights, stand_in
+from .weights import attach_weights, stand_in, weights_as_inputs
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -47,11 +47,14 @@ def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
         tmp_file = tmp / path.name
+        traced = make_graph(stand_in(module, DTYPES[dtype]))
+        names, weights = weights_as_inputs(traced, len(inputs))
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")   # tracer warnings about python ints are expected and checked by tests
-            torch.onnx.export(make_graph(stand_in(module, DTYPES[dtype])), args, str(tmp_file), input_names=inputs,
+            torch.onnx.export(traced, (*args, *weights), str(tmp_file), input_names=inputs + names,
                               output_names=outputs, dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
-                              do_constant_folding=True, export_params=False)
+                              do_constant_folding=True)
+        del traced, weights
         graph = onnx.load(str(tmp_file))
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():

@@ -5,11 +5,13 @@ and holds all weights once more while it serializes them: for a 0.83 B target th
 peaked at 2.3x the fp32 weights, the model included. Here it never sees a weight:
 
 - `stand_in` is the module with every parameter replaced by a placeholder of the graph's dtype
-  that has the right shape and one element of storage (a stride-0 view), and every Linear
-  multiplying by `weight_t`, its weight's transpose held as a parameter of its own (a view):
-  nothing is left for constant folding to copy;
-- traced with `export_params=False`, each parameter the graph reads becomes a graph input
-  named after it (`model.layers.0.mlp.up_proj.weight_t`);
+  that has the right shape, all of them views into one zero buffer the size of the largest
+  (a stride-0 placeholder would be copied whole by each MatMul the trace runs), and every
+  Linear multiplying by `weight_t`, its weight's transpose (a view);
+- `weights_as_inputs` traces it with every parameter and buffer as a graph input named after it
+  (`model.layers.0.mlp.up_proj.weight_t`), not as a parameter: the exporter runs ONNX shape
+  inference with the values of the parameters it holds and copied them for it (1.2 GB for the
+  0.83 B target, even with export_params=False); inputs it knows by shape only;
 - `attach_weights` turns those inputs into initializers, taking each value from the real
   module (cast to the graph's dtype, transposed for `weight_t`) and writing it, one tensor at a
   time, into the graph's one data file when the graph is past the external-data threshold.
@@ -41,20 +43,44 @@ def _matmul_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def stand_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of `module` (buffers included, in `dtype` where floating) whose parameters are
-    placeholders of `dtype` without storage; parameters shared in `module` stay shared."""
-    memo: dict = {}
-    for i, p in enumerate(module.parameters(), 1):
-        # distinct values: the exporter merges parameters that are equal (checked below)
-        memo[id(p)] = nn.Parameter(torch.full((), i, dtype=dtype).expand(p.shape), requires_grad=False)
-    if len({float(p) for p in (q.reshape(-1)[0] for q in memo.values())}) < len(memo):
-        raise ValueError(f"{type(module).__name__} has {len(memo)} parameters, more than {dtype} placeholders "
-                         f"can tell apart")
+    placeholders of `dtype`, views into one zero buffer; parameters shared in `module` stay
+    shared. Each Linear multiplies by `weight_t` (its weight's transpose), its only parameter."""
+    params = list({id(p): p for p in module.parameters()}.values())
+    zeros = torch.zeros(max((p.numel() for p in params), default=0), dtype=dtype)
+    memo = {id(p): nn.Parameter(zeros[:p.numel()].view(p.shape), requires_grad=False) for p in params}
     copied = copy.deepcopy(module, memo).to(dtype).eval()
     for sub in copied.modules():
         if isinstance(sub, nn.Linear):
             sub.weight_t = nn.Parameter(sub.weight.t(), requires_grad=False)
+            sub.weight = sub._parameters.pop("weight").detach()     # kept for its dtype and device, not traced
             sub.forward = types.MethodType(_matmul_forward, sub)
     return copied
+
+
+def weights_as_inputs(graph: nn.Module, num_inputs: int) -> tuple[list[str], list[torch.Tensor]]:
+    """Turn the parameters and buffers of `graph` (a graph module around a stand-in) into
+    trailing inputs of its forward, in place: call it with (*inputs, *weights), input names
+    inputs + names. The module stays the traced root, so node names keep their module scopes
+    (which quantization maps MatMuls by). The exporter drops inputs the graph does not read;
+    attach_weights checks each remaining input's name against its weight's shape."""
+    tensors: dict[int, tuple[str, torch.Tensor, list]] = {}    # id -> first name, tensor, where it is held
+    for prefix, sub in graph.named_modules(remove_duplicate=False):
+        for table in (sub._parameters, sub._buffers):
+            for attr, t in list(table.items()):
+                if t is not None:
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    tensors.setdefault(id(t), (name, t.detach(), []))[2].append((sub, attr))
+                    del table[attr]
+    held = [places for _, _, places in tensors.values()]
+    forward = graph.forward
+
+    def forward_with_weights(*args):
+        for places, value in zip(held, args[num_inputs:]):
+            for sub, attr in places:
+                setattr(sub, attr, value)
+        return forward(*args[:num_inputs])
+    graph.forward = forward_with_weights
+    return [name for name, _, _ in tensors.values()], [t for _, t, _ in tensors.values()]
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -77,13 +103,23 @@ def _source(real: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
 
 
 def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, path: Path) -> list[Path]:
-    """Make the graph inputs past the first `num_inputs` (the parameters of a stand-in of `real`,
-    exported with export_params=False) initializers holding `real`'s values, and write the graph
+    """Make the graph inputs past the first `num_inputs` (the parameters and buffers of a stand-in
+    of `real`, traced through weights_as_inputs) initializers holding `real`'s values, and write the graph
     to `path`, with its weights in `path.data` past the external-data threshold (as save_graph
     does). Returns the files written, the graph first. `graph` keeps the weights' metadata at
     most, never their values."""
+    folded = [i.name for i in graph.graph.initializer if numpy_helper.to_array(i).nbytes >= MIN_EXTERNAL_TENSOR]
+    if folded:
+        raise ValueError(f"the exported graph holds constants {folded[:3]} that are not weight inputs: the "
+                         f"exporter folded a weight into a value of its own")
     params = list(graph.graph.input)[num_inputs:]
     sources = {p.name: _source(real, p.name) for p in params}
+    for p in params:
+        tensor, transposed = sources[p.name]
+        want = tuple(tensor.shape[::-1] if transposed else tensor.shape)
+        have = tuple(d.dim_value for d in p.type.tensor_type.shape.dim)
+        if have != want:
+            raise ValueError(f"graph input {p.name!r} has shape {have}, the weight of that name {want}")
     held = {id(t): name for name, (t, transposed) in sources.items() if not transposed}
 
     def dtype_of(p) -> np.dtype:
@@ -135,4 +171,4 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
     return [path, data]
 
 
-__all__ = ["attach_weights", "stand_in"]
+__all__ = ["attach_weights", "stand_in", "weights_as_inputs"]

@@ -199,10 +199,14 @@ class LlamaTarget(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.set_capture(capture or CaptureLayers.eagle_default(cfg.num_hidden_layers))
+
+    def tie_weights(self) -> None:
+        """A tied head is the embedding table itself (again after loading assigns the table)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def set_capture(self, capture: CaptureLayers) -> None:
         capture.validate(self.cfg.num_hidden_layers, self.cfg.source)
