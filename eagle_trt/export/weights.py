@@ -102,6 +102,28 @@ def _source(real: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
                              f"{type(real).__name__}: the exporter folded a weight into a value of its own") from None
 
 
+def _length_delimited(field: int, size: int) -> bytes:
+    """A protobuf length-delimited field's tag and length."""
+    out, value = bytearray(), (field << 3) | 2
+    for v in (value, size):
+        while v >= 0x80:
+            out.append(v & 0x7F | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def _write_initializer(f, header: onnx.TensorProto, raw: memoryview) -> None:
+    """Write ModelProto{graph: GraphProto{initializer: [header + raw_data]}} with `raw` copied
+    straight into the file (field numbers from onnx.proto: ModelProto.graph 7,
+    GraphProto.initializer 5, TensorProto.raw_data 9)."""
+    head = header.SerializeToString()
+    tensor = len(head) + len(_length_delimited(9, raw.nbytes)) + raw.nbytes
+    graph = len(_length_delimited(5, tensor)) + tensor
+    f.write(_length_delimited(7, graph) + _length_delimited(5, tensor) + head + _length_delimited(9, raw.nbytes))
+    f.write(raw)
+
+
 def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, path: Path) -> list[Path]:
     """Make the graph inputs past the first `num_inputs` (the parameters and buffers of a stand-in
     of `real`, traced through weights_as_inputs) initializers holding `real`'s values, and write the graph
@@ -149,12 +171,13 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
     if not external:
         # The graph, then each weight as a message of its own: protobuf merges a repeated message
         # field when it parses, so this is the graph with its initializers, serialized a tensor
-        # at a time instead of all at once (the in-memory `graph` stays without them).
+        # at a time, each weight's bytes going from its array to the file (no protobuf copy of
+        # them); the in-memory `graph` stays without them.
         with open(path, "wb") as f:
             f.write(graph.SerializeToString())
             for p, value in values():
-                init = numpy_helper.from_array(value, p.name)
-                f.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[init])).SerializeToString())
+                header = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
+                _write_initializer(f, header, memoryview(value).cast("B"))
         return [path]
     offset = 0
     with open(data, "wb") as out:
