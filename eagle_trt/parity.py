@@ -230,14 +230,19 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
 
 # ----------------------------------------------------------------------------- checking
 
-def parity_session(graph: str | Path):
+def parity_session(graph: str | Path, dtype: str = "float32"):
     """An ONNX Runtime CPU session that leaves the weights where they are: without prepacking,
     a graph's external weights stay memory-mapped from its data file (page cache, reclaimable)
     instead of being copied into packed buffers (one more copy of a real-size target's weights
-    beside the PyTorch reference). A parity run makes a handful of calls; their speed does not matter."""
+    beside the PyTorch reference). A float16 graph runs unoptimized: the CPU has no fp16 MatMul,
+    so ONNX Runtime casts the weights to float32, and its optimizer would fold those casts into
+    float32 copies of every weight (twice the graph's weights, held); unoptimized, each is cast
+    when its node runs. A parity run makes a handful of calls; their speed does not matter."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
+    if dtype == "float16":
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
 
@@ -262,7 +267,7 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     start = time.perf_counter()
-    runner = OnnxrtRunner(parity_session(case.graph), name="onnxruntime")
+    runner = OnnxrtRunner(parity_session(case.graph, case.dtype), name="onnxruntime")
     ort_results = Comparator.run([runner], data_loader=case.feeds)
     ort_iters = list(ort_results.values())[0]
     expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r

@@ -55,12 +55,14 @@ def run_parity_stage(b, out: Path) -> dict:
     progress.step("target reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
+    references = {m: _fake_quant_reference(b, m) for m in quantized}
+    # Every float reference is computed and the fake-quant ones hold their quantized weights: the
+    # float weights go before ONNX Runtime maps the graphs', so a real-size target is never in
+    # memory twice (issue 21).
     del models, target, drafter
-    entries = {m: _quantized_parity(b, m, tcase if m == "target" else cases[1], out / "bundles", progress)
-               for m in quantized}
-    # Every PyTorch reference is computed: its weights go before ONNX Runtime maps the graphs',
-    # so a real-size target is never in memory twice (issue 21).
     b.release_models()
+    entries = {m: _quantized_parity(b, m, references.pop(m), tcase if m == "target" else cases[1], out / "bundles",
+                                    progress) for m in quantized}
     reports = []
     for case in cases:
         with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros
@@ -84,21 +86,28 @@ def run_parity_stage(b, out: Path) -> dict:
     return data
 
 
-def _quantized_parity(b, model: str, float_case, bundle_dir: Path, progress: Progress) -> dict:
+def _fake_quant_reference(b, model: str):
+    """The fake-quant PyTorch model of `model` ('target' or 'drafter'): its quantized Linears
+    hold their FP8 / FP4 weights, not the float ones, so it outlives the float model."""
+    from ..quant import QuantConfig, load_calibration, quantized_copy
+    p = getattr(b.cfg.precision, model)
+    amax = load_calibration(b.path("quantize", f"{model}.amax.json"))
+    module = _in_dtype(b.models.target.model if model == "target" else b.models.drafter, p.dtype)
+    qcfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
+    return quantized_copy(module, qcfg, amax, source=str(b.path("quantize", f"{model}.amax.json")))[0]
+
+
+def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, progress: Progress) -> dict:
     """Each quantized MatMul vs QuantLinear on the graph's own input (quant.check.layer_parity),
     and a bundle of the float case's feeds with the fake-quant model's outputs as reference."""
     from polygraphy.comparator import IterationResult, RunResults
 
     from ..export.graphs import DraftTreeGraph, TargetGraph
     from ..parity import GraphCase, _run, write_bundle
-    from ..quant import QuantConfig, layer_parity, load_calibration, quantized_copy
+    from ..quant import layer_parity
     p = getattr(b.cfg.precision, model)
     graph_name = "target" if model == "target" else "drafter_tree"
     graph = b.path("quantize", f"{graph_name}.{p.format}.onnx")
-    amax = load_calibration(b.path("quantize", f"{model}.amax.json"))
-    module = _in_dtype(b.models.target.model if model == "target" else b.models.drafter, p.dtype)
-    qcfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
-    reference, _ = quantized_copy(module, qcfg, amax, source=str(b.path("quantize", f"{model}.amax.json")))
     real = [i for i, label in enumerate(float_case.labels) if label.startswith("real")]
     feed = float_case.feeds[real[0] if real else 0]   # a real prompt where there is one
     layers = layer_parity(str(graph), reference, feed)
