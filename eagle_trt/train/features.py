@@ -28,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -125,7 +125,7 @@ def extract_features(target: LoadedTarget, samples: list[Sample], out_dir: str |
     cfg = cfg or FeatureConfig()
     if groups is not None:
         samples = [s for _, g in groups for s in g]
-        cfg = FeatureConfig(shard_size=0, log_every_s=cfg.log_every_s, precision=cfg.precision)   # 0: named groups
+        cfg = replace(cfg, shard_size=0)      # 0: named groups
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     identity = target_identity(target, capture)
