@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         return 2
     counts = [int(t) for t in args.tokens.split(",")]
     capacity = args.context + max(counts) + 1
-    target = OrtTarget(args.graph, capacity, args.threads or None, spin=True)
+    target = OrtTarget(args.graph, capacity, args.threads or None, spin="always")
     gen = torch.Generator().manual_seed(0)
     target.reset()
     target.add_sequence(capacity)

@@ -19,7 +19,7 @@ from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget, make_session
+from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTarget, make_session
 from eagle_trt.tree import DraftTree
 
 from conftest import PlantedDrafter
@@ -92,6 +92,17 @@ def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance):
         unplanted = SpeculativeDecoder(ort_target, ort_drafter, []).generate(prompt, 40)
         assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
     assert (ort_target._graph_accept is not None) == (acceptance == "graph")
+
+
+def test_session_spin_modes_decode_alike_and_a_wrong_one_is_refused(exported):
+    """Spinning is a scheduling setting: every mode gives the same tokens; a typo is an error."""
+    target, _, graphs = exported
+    prompt = list(range(3, 20))
+    runs = [generate_autoregressive(OrtTarget(graphs["target"], target.config.max_position_embeddings, 1, spin=mode),
+                                    prompt, 12, []).tokens for mode in SPIN_MODES]
+    assert runs[0] == runs[1] == runs[2]
+    with pytest.raises(ValueError, match="spin='sometimes'.*in-call"):
+        make_session(graphs["target"], spin="sometimes")
 
 
 def test_target_graph_accepts_greedily_like_the_tree_walk(exported):

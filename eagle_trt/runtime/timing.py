@@ -4,8 +4,9 @@ loops through here, so their ratios compare the same things under the same setti
 
 - Baseline: plain autoregressive decoding on the same target graph, in its fastest setting: a
   session of its own whose worker threads spin between calls (it runs one call after another).
-  Speculative decoding alternates two sessions (drafter, target), which must not spin (see
-  make_session).
+  Speculative decoding alternates two sessions (drafter, target), whose workers spin only
+  inside a call (make_session's spin="in-call"): spinning between calls took the cores from
+  the other session.
 - Host work: the loops' tensor ops (argmax, sampling, masks) run on one PyTorch thread. At the
   default thread count, PyTorch's OpenMP workers spin after each small op and take the cores
   from ONNX Runtime's threads: that slowed plain decoding by a third in a process that had not
@@ -50,7 +51,7 @@ def decoding_threads():
 @dataclass
 class OrtDecoding:
     """Speculative and plain decoding on the same ONNX graphs, each in its fastest session setting."""
-    target: OrtTarget          # verification; no spinning (alternates with the drafter)
+    target: OrtTarget          # verification; spins only inside a call (alternates with the drafter)
     drafter: OrtDrafter
     plain: OrtTarget           # the baseline's own session of the same target graph, spinning
     decoder: SpeculativeDecoder
@@ -62,7 +63,7 @@ class OrtDecoding:
              ) -> OrtDecoding:
         target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
-        plain = OrtTarget(target_graph, max_context, threads, spin=True)
+        plain = OrtTarget(target_graph, max_context, threads, spin="always")
         return cls(target, drafter, plain, SpeculativeDecoder(target, drafter, eos, vocab_size), eos)
 
     def warm_up(self, ids: list[int], tokens: int = 8) -> None:
