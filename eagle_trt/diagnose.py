@@ -55,17 +55,17 @@ def chain_stats(drafter: EagleDrafter, captured: torch.Tensor, seq: list[int], c
     try:
         for j0 in cuts:
             rows = {m: [] for m in METRICS}
-            past_k, past_v = ctx.new_k[:, :j0], ctx.new_v[:, :j0]
+            past_k, past_v = ctx.new_k[:, :, :j0], ctx.new_v[:, :, :j0]
             state, tok = hidden[:, j0:j0 + 1], ids[:, j0:j0 + 1]
             for d in range(depth):
-                P = past_k.shape[1]
+                P = past_k.shape[2]
                 step = drafter(state, tok, torch.tensor([[j0 + d]], device=dev),
                                torch.ones(1, 1, P + 1, dtype=torch.bool, device=dev), past_k, past_v)
                 probs = attn.last_probs[0, :, 0].float()              # [heads, P + 1]
                 rows["sink_share"].append(float(probs[:, :sinks].sum(-1).mean()))
                 rows["draft_share"].append(float(probs[:, j0 + 1:].sum(-1).mean()) if d else 0.0)
                 rows["state_norm"].append(float(state.float().norm()))
-                past_k, past_v = torch.cat((past_k, step.new_k), 1), torch.cat((past_v, step.new_v), 1)
+                past_k, past_v = torch.cat((past_k, step.new_k), 2), torch.cat((past_v, step.new_v), 2)
                 state = step.feedback
                 tok = drafter.to_target_ids(step.logits.argmax(-1))
             for m in METRICS:

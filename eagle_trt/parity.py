@@ -147,7 +147,7 @@ def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[
     for prompt in real_prompts:
         n = len(prompt)
         ids = torch.tensor([prompt])
-        empty = [(torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim, dtype=wdt),) * 2
+        empty = [(torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=wdt),) * 2
                  for _ in range(cfg.num_hidden_layers)]
         add(f"real prefill ({n} tokens)", ids, torch.arange(n)[None], causal_mask(n, 0), empty)
         if tree_shape is None or drafter is None:
@@ -185,7 +185,7 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
     c = drafter.cfg
     gen = torch.Generator().manual_seed(seed)
     wdt = drafter.fc.weight.dtype
-    kv = lambda n: torch.randn(1, n, c.num_key_value_heads, c.head_dim, generator=gen).to(wdt)  # noqa: E731
+    kv = lambda n: torch.randn(1, c.num_key_value_heads, n, c.head_dim, generator=gen).to(wdt)  # noqa: E731
     width = c.num_aux_hidden_states * c.target_hidden_size
     cases = []
     if "drafter_tree" in graphs:

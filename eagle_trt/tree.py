@@ -122,7 +122,7 @@ def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past
 
     captured: [B, T, A * Ht] target states of committed tokens t..t+T-1
     input_ids: [B, T] the tokens one position later (t+1..t+T); sequence b's last valid one is its root
-    past_k / past_v: [B, P, Hkv, D] drafter KV of earlier committed rows (position = row index)
+    past_k / past_v: [B, Hkv, P, D] drafter KV of earlier committed rows (position = row index)
     past_lengths: [B] committed rows of each sequence (rows beyond are padding, never seen); default P
     new_lengths: [B] valid new rows of each sequence (1..T; the rest is padding); default T
     Padding instead of packing: a sequence's rows stay one contiguous run, so positions, the
@@ -131,7 +131,7 @@ def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past
     the caller keeps the valid ones).
     """
     D, K = shape.depth, shape.top_k
-    B, T, P = input_ids.shape[0], input_ids.shape[1], past_k.shape[1]
+    B, T, P = input_ids.shape[0], input_ids.shape[1], past_k.shape[2]
     dev = input_ids.device   # every tensor made here lives with the inputs (CPU when exporting)
     if past_lengths is None:
         past_lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
@@ -143,7 +143,7 @@ def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past
     causal = new_rows[None, :] <= new_rows[:, None]                                        # [T, T]
     mask0 = torch.cat((past_seen[:, None].expand(B, T, P), causal[None].expand(B, T, T)), dim=2)
     step0 = drafter(drafter.project(captured), input_ids, positions, mask0, past_k, past_v, logits=False)
-    ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 1), torch.cat((past_v, step0.new_v), 1)
+    ctx_k, ctx_v = torch.cat((past_k, step0.new_k), 2), torch.cat((past_v, step0.new_v), 2)
 
     last = (new_lengths - 1)[:, None]                                                      # [B, 1]
     logp = torch.log_softmax(drafter.logits_of(_pick(step0.feedback, last))[:, 0].float(), dim=-1)   # [B, Vd]
@@ -167,10 +167,10 @@ def draft_trees(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past
             mask, kv_k, kv_v = torch.cat((seen, eyes), dim=2), ctx_k, ctx_v
         else:
             mask = torch.cat((seen, ancestors, eyes), dim=2)
-            kv_k, kv_v = torch.cat((ctx_k, tree_k), 1), torch.cat((ctx_v, tree_v), 1)
+            kv_k, kv_v = torch.cat((ctx_k, tree_k), 2), torch.cat((ctx_v, tree_v), 2)
         out = drafter(state, tokens, pos, mask, kv_k, kv_v)
-        tree_k = out.new_k if tree_k is None else torch.cat((tree_k, out.new_k), 1)
-        tree_v = out.new_v if tree_v is None else torch.cat((tree_v, out.new_v), 1)
+        tree_k = out.new_k if tree_k is None else torch.cat((tree_k, out.new_k), 2)
+        tree_v = out.new_v if tree_v is None else torch.cat((tree_v, out.new_v), 2)
         child_logp, child_ids = _topk(torch.log_softmax(out.logits.float(), dim=-1), K)       # [B, K, K]
         cand_scores = (scores[:, :, None] + child_logp).reshape(B, K * K)
         cand_tokens = drafter.to_target_ids(child_ids).reshape(B, K * K)

@@ -19,22 +19,28 @@ SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
 
 def test_kv_cache_slots_compaction_and_moves():
-    cache = KVCache(2, 1, 1, capacity=4)
+    cache = KVCache(2, 2, 1, capacity=4)                          # 2 layers, 2 KV heads: [L, B, Hkv, S, D]
     for _ in range(3):
         cache.add()
     cache.stage(range(3), 3)
-    rows = torch.arange(3 * 3, dtype=torch.float32).reshape(3, 3, 1, 1) + 1   # sequence b, row t: 3b + t + 1
+    rows = torch.arange(3 * 3, dtype=torch.float32).reshape(3, 1, 3, 1) + 1   # sequence b, row t: 3b + t + 1
+    rows = torch.cat((rows, -rows), 1)                            # head 1 holds the negated rows
     cache.write([rows, rows * 10], [rows, rows])
     cache.commit([[0, 2], [0, 1, 2], [1]])
     assert cache.lengths == [2, 3, 1]
-    assert cache.k[0, 0, :2, 0, 0].tolist() == [1, 3]            # row 2 compacted into place
-    assert cache.k[1, 2, :1, 0, 0].tolist() == [80]               # sequence 2 kept only its row 1
+    assert cache.k[0, 0, 0, :2, 0].tolist() == [1, 3]             # row 2 compacted into place
+    assert cache.k[0, 0, 1, :2, 0].tolist() == [-1, -3]           # in every head
+    assert cache.k[1, 2, :, :1, 0].tolist() == [[80], [-80]]      # sequence 2 kept only its row 1
     cache.remove(0)                                               # the last sequence moves into slot 0
-    assert cache.lengths == [1, 3] and cache.k[0, 0, :1, 0, 0].tolist() == [8]
+    assert cache.lengths == [1, 3] and cache.k[0, 0, :, :1, 0].tolist() == [[8], [-8]]
     cache.stage(range(1, 2), 70)                                  # grows in chunks, keeps the rows
-    assert cache.capacity == 2 * CHUNK and cache.k[0, 1, :3, 0, 0].tolist() == [4, 5, 6]
+    assert cache.capacity == 2 * CHUNK and cache.k[0, 1, 1, :3, 0].tolist() == [-4, -5, -6]
     with pytest.raises(IndexError, match="outside the 70 staged rows"):
         cache.commit([[70]])
+    cache.stage(range(1, 2), 2)                                   # one sequence, a run of rows: the slice path
+    cache.write([rows[1:2]] * 2, [rows[1:2]] * 2)
+    cache.commit([[0, 1]])
+    assert cache.k[0, 1, 1, :5, 0].tolist() == [-4, -5, -6, -4, -5]
 
 
 def test_call_costs_interpolate_and_extend():

@@ -245,7 +245,7 @@ def test_profile_shapes_follow_the_graphs_named_axes(tiny):
     p = cfg.engines.profiles.verify
     assert verify["input_ids"] == ((1, p.min_tokens), (1, p.opt_tokens), (1, p.max_tokens))
     assert verify["attention_mask"][2] == (1, p.max_tokens, p.max_tokens + p.max_past)
-    assert verify["past_key_0"][0] == (1, p.min_past, 2, 16) and verify["past_key_5"][2] == (1, p.max_past, 2, 16)
+    assert verify["past_key_0"][0] == (1, 2, p.min_past, 16) and verify["past_key_5"][2] == (1, 2, p.max_past, 16)
     assert verify["logits_index"] == ((1,), (p.opt_tokens,), (p.max_tokens,))
     drafter = profile_shapes(input_dims(tiny["out"] / "export/drafter_tree.onnx"), cfg.engines.profiles.drafter, "d")
     assert drafter["captured"][2] == (1, cfg.engines.profiles.drafter.max_tokens, 3 * 64)

@@ -107,9 +107,8 @@ def ref_rope(x, pos):
 
 
 def ref_attention(w, u, pos, mask, past_k, past_v):
-    """KV tensors in and out use the graphs' [B, S, Hkv, D] layout."""
+    """KV tensors in and out use the graphs' [B, Hkv, S, D] layout."""
     B, T, _ = u.shape
-    past_k, past_v = past_k.transpose(1, 2), past_v.transpose(1, 2)
     p = "midlayer.self_attn."
     q = F.linear(u, w[p + "q_proj.weight"]).reshape(B, T, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
     k = F.linear(u, w[p + "k_proj.weight"]).reshape(B, T, KV_HEADS, HEAD_DIM).permute(0, 2, 1, 3)
@@ -121,7 +120,7 @@ def ref_attention(w, u, pos, mask, past_k, past_v):
     scores = torch.where(mask[:, None], scores, torch.tensor(float("-inf")))
     out = torch.softmax(scores, dim=-1) @ vals                  # [B, heads, T, D]
     out = out.permute(0, 2, 1, 3).reshape(B, T, HEADS * HEAD_DIM)
-    return F.linear(out, w[p + "o_proj.weight"]), k.transpose(1, 2), v.transpose(1, 2)
+    return F.linear(out, w[p + "o_proj.weight"]), k, v
 
 
 def ref_project(w, cfg, captured):
@@ -164,8 +163,8 @@ def tree_inputs(seed=1, B=2, P=3, T=4):
     ids = torch.randint(0, VOCAB, (B, T), generator=g)
     # Tree-like positions: siblings share a position; different per batch row.
     pos = torch.tensor([[P, P + 1, P + 1, P + 2], [P + 5, P + 6, P + 7, P + 7]])
-    past_k = torch.randn(B, P, KV_HEADS, HEAD_DIM, generator=g)
-    past_v = torch.randn(B, P, KV_HEADS, HEAD_DIM, generator=g)
+    past_k = torch.randn(B, KV_HEADS, P, HEAD_DIM, generator=g)
+    past_v = torch.randn(B, KV_HEADS, P, HEAD_DIM, generator=g)
     # Non-causal boolean mask [B, T, P + T]: random, each row sees itself, some past rows hidden.
     mask = torch.rand(B, T, P + T, generator=g) > 0.4
     mask[:, torch.arange(T), P + torch.arange(T)] = True
@@ -252,29 +251,29 @@ def run_chain(drafter: EagleDrafter, captured, ids0, chain_ids):
     with torch.no_grad():
         out = drafter(drafter.project(captured), ids0, torch.arange(T)[None].expand(B, -1), causal, pk, pv)
         outs.append(out)
-        pk, pv = torch.cat((pk, out.new_k), 1), torch.cat((pv, out.new_v), 1)
+        pk, pv = torch.cat((pk, out.new_k), 2), torch.cat((pv, out.new_v), 2)
         hidden = out.feedback[:, -1:]
         for step, tok in enumerate(chain_ids, start=1):
-            S = pk.shape[1]
+            S = pk.shape[2]
             mask = torch.ones(B, 1, S + 1, dtype=torch.bool)
             out = drafter(hidden, tok, torch.full((B, 1), T - 1 + step), mask, pk, pv)
             outs.append(out)
-            pk, pv = torch.cat((pk, out.new_k), 1), torch.cat((pv, out.new_v), 1)
+            pk, pv = torch.cat((pk, out.new_k), 2), torch.cat((pv, out.new_v), 2)
             hidden = out.feedback[:, -1:]
     return outs
 
 
 def ref_chain(w, cfg, captured, ids0, chain_ids):
     B, T = ids0.shape
-    pk = torch.zeros(B, 0, KV_HEADS, HEAD_DIM)
-    pv = torch.zeros(B, 0, KV_HEADS, HEAD_DIM)
+    pk = torch.zeros(B, KV_HEADS, 0, HEAD_DIM)
+    pv = torch.zeros(B, KV_HEADS, 0, HEAD_DIM)
     causal = torch.tril(torch.ones(T, T, dtype=torch.bool))[None].expand(B, -1, -1)
     r = ref_step(w, cfg, ref_project(w, cfg, captured), ids0, torch.arange(T)[None].expand(B, -1), causal, pk, pv)
     steps = [r]
     for step, tok in enumerate(chain_ids, start=1):
-        pk, pv = torch.cat((pk, r["k"]), 1), torch.cat((pv, r["v"]), 1)
+        pk, pv = torch.cat((pk, r["k"]), 2), torch.cat((pv, r["v"]), 2)
         fed = (r["z"] if cfg.norm_output else r["h2"])[:, -1:]   # 3.1 feeds post-norm z, EAGLE-3 pre-norm h2
-        r = ref_step(w, cfg, fed, tok, torch.full((B, 1), T - 1 + step), torch.ones(B, 1, pk.shape[1] + 1, dtype=torch.bool),
+        r = ref_step(w, cfg, fed, tok, torch.full((B, 1), T - 1 + step), torch.ones(B, 1, pk.shape[2] + 1, dtype=torch.bool),
                      pk, pv)
         steps.append(r)
     return steps

@@ -11,10 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from eagle_trt.build.engines import input_dims
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
+from eagle_trt.export.graphs import kv_heads_and_dim
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
@@ -105,6 +107,18 @@ def test_session_spin_modes_decode_alike_and_a_wrong_one_is_refused(exported):
         make_session(graphs["target"], spin="sometimes")
 
 
+def test_graphs_declare_head_major_kv_and_older_layouts_are_refused(exported):
+    """Format 7 graphs take and return KV as [B, Hkv, rows, D]; a graph with the rows before the
+    heads (format <= 6) is refused by name instead of being misread."""
+    target, _, graphs = exported
+    cfg = target.model.cfg
+    dims = input_dims(graphs["target"])
+    assert dims["past_key_0"] == ["batch", cfg.num_key_value_heads, "past_tokens", cfg.head_dim]
+    assert kv_heads_and_dim(dims["past_key_0"], "t.onnx") == (cfg.num_key_value_heads, cfg.head_dim)
+    with pytest.raises(ValueError, match="old.onnx: KV input shape .*older eagle_trt.*re-export"):
+        kv_heads_and_dim(["batch", "past_tokens", cfg.num_key_value_heads, cfg.head_dim], "old.onnx")
+
+
 def test_target_graph_accepts_greedily_like_the_tree_walk(exported):
     """The target graph's accept_* outputs on ONNX Runtime, at sizes other than the traced ones:
     a batch of random trees whose tokens were planted to match the graph's own argmax at their
@@ -128,7 +142,7 @@ def test_target_graph_accepts_greedily_like_the_tree_walk(exported):
         mask[b, n + 1:, n + 1:] = torch.eye(pad, dtype=torch.bool)
     depths = mask.sum(-1) - 1
     P = 5           # a past the tree sees: its mask block is the last T columns
-    past = torch.randn(B, P, cfg.num_key_value_heads, cfg.head_dim, generator=gen).numpy()
+    past = torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=gen).numpy()
     full = torch.cat((torch.ones(B, T, P, dtype=torch.bool), mask), 2)
 
     def run(index):
@@ -315,10 +329,10 @@ def test_export_attaches_each_weight_once_into_one_named_data_file(tmp_path, mon
         np_dtype = np.float32 if dtype == "float32" else np.float16
         for i in range(model.cfg.num_hidden_layers):
             for kind in ("key", "value"):
-                args[f"past_{kind}_{i}"] = np.zeros((1, 0, model.cfg.num_key_value_heads, model.cfg.head_dim), np_dtype)
+                args[f"past_{kind}_{i}"] = np.zeros((1, model.cfg.num_key_value_heads, 0, model.cfg.head_dim), np_dtype)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         got = session.run(["logits"], args)[0].astype(np.float32)
-        empty = [torch.zeros(1, 0, model.cfg.num_key_value_heads, model.cfg.head_dim)] * model.cfg.num_hidden_layers
+        empty = [torch.zeros(1, model.cfg.num_key_value_heads, 0, model.cfg.head_dim)] * model.cfg.num_hidden_layers
         with torch.no_grad():
             want = model(ids, torch.arange(4)[None], causal_mask(4, 0), empty, empty).logits
         np.testing.assert_allclose(got, want.numpy(), rtol=tol, atol=tol)

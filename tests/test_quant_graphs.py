@@ -64,7 +64,7 @@ def target_feeds(cfg, ids: list[int], past: int, seed: int = 0):
     """A call with `past` random committed KV rows, to exercise the past inputs too."""
     T = len(ids)
     gen = torch.Generator().manual_seed(seed)
-    kv = [torch.randn(1, past, cfg.num_key_value_heads, cfg.head_dim, generator=gen) for _ in range(2 * cfg.num_hidden_layers)]
+    kv = [torch.randn(1, cfg.num_key_value_heads, past, cfg.head_dim, generator=gen) for _ in range(2 * cfg.num_hidden_layers)]
     feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(past, past + T)[None],
              "attention_mask": causal_mask(T, past).numpy(), "logits_index": np.arange(T)}
     for i in range(cfg.num_hidden_layers):
@@ -200,7 +200,7 @@ def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, f
         ref.reset()
         ref.add_sequence()
         tree = ref.draft(captured[None], ids[None]).row(0)
-        kv = np.zeros((1, 0, 2, 16), np.float32)
+        kv = np.zeros((1, 2, 0, 16), np.float32)
         got = run_graph(setup["graphs"]["drafter", fmt], {"captured": captured[None].numpy(),
                                                           "input_ids": ids[None].numpy(), "past_key": kv, "past_value": kv,
                                                           "past_lengths": np.array([0]), "new_lengths": np.array([len(ids)])})
@@ -246,7 +246,7 @@ def test_single_step_drafter_graph(setup, tmp_path):
     reference, _ = quantized_copy(drafter, QuantConfig("fp8"), setup["amax"]["drafter"])
     gen = torch.Generator().manual_seed(5)
     hidden, ids = torch.randn(1, 4, 64, generator=gen), torch.tensor([_ids(4, seed=5)])
-    past = torch.randn(1, 6, 2, 16, generator=gen)
+    past = torch.randn(1, 2, 6, 16, generator=gen)       # [B, Hkv, rows, D]
     args = (hidden, ids, torch.arange(6, 10)[None], causal_mask(4, 6), past, past)
     with torch.no_grad():
         ref = reference(*args)

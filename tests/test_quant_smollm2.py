@@ -63,7 +63,7 @@ def target_feeds(cfg, ids: list[int]) -> dict[str, np.ndarray]:
     T = len(ids)
     feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(T)[None],
              "attention_mask": causal_mask(T, 0).numpy(), "logits_index": np.arange(T)}
-    empty = np.zeros((1, 0, cfg.num_key_value_heads, cfg.head_dim), np.float32)
+    empty = np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
     for i in range(cfg.num_hidden_layers):
         feeds[f"past_key_{i}"] = feeds[f"past_value_{i}"] = empty
     return feeds
@@ -156,7 +156,7 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
         assert got.parents.tolist() == want.parents.tolist()
         # a rare FP8 rounding flip (float noise across engines) moves a later score by ~3e-3
         assert (got.scores - want.scores).abs().max() <= 1e-2
-        kv = np.zeros((1, 0, 3, 64), np.float32)
+        kv = np.zeros((1, 3, 0, 64), np.float32)
         feeds = {"captured": captured[None].numpy(), "input_ids": next_ids[None].numpy(), "past_key": kv, "past_value": kv,
                  "past_lengths": np.array([0]), "new_lengths": np.array([T])}
         report = layer_parity(str(smol["graphs"]["drafter", "fp8"]), reference, feeds)

@@ -88,9 +88,8 @@ def test_kv_cache_decoding_equals_full_forward(tiny_target):
         rows = [out.logits]
         for t in range(30, 50):
             step = model(ids[:, t:t + 1], torch.tensor([[t]]), causal_mask(1, t), past_k, past_v)
-            past_k = \
-                [torch.cat((a, b), 1) for a, b in zip(past_k, step.new_k)]
-            past_v = [torch.cat((a, b), 1) for a, b in zip(past_v, step.new_v)]
+            past_k = [torch.cat((a, b), 2) for a, b in zip(past_k, step.new_k)]     # [B, Hkv, rows, D]
+            past_v = [torch.cat((a, b), 2) for a, b in zip(past_v, step.new_v)]
             rows.append(step.logits)
     assert (torch.cat(rows, 1) - full.logits).abs().max() <= 1e-5
 

@@ -170,9 +170,9 @@ def runtime_chain_logits(drafter, item, j, steps):
         out, state = [s0.logits[0, -1]], s0.feedback[:, -1:]
         ks, vs = s0.new_k, s0.new_v
         for k in range(1, steps):
-            mask = torch.ones(1, 1, ks.shape[1] + 1, dtype=torch.bool)
+            mask = torch.ones(1, 1, ks.shape[2] + 1, dtype=torch.bool)
             step = drafter(state, ids[:, j + 1 + k: j + 2 + k], torch.tensor([[j + k]]), mask, ks, vs)
-            ks, vs = torch.cat((ks, step.new_k), 1), torch.cat((vs, step.new_v), 1)
+            ks, vs = torch.cat((ks, step.new_k), 2), torch.cat((vs, step.new_v), 2)
             out.append(step.logits[0, -1])
             state = step.feedback
     return out

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from .config import BuildConfig
+from ..export.graphs import kv_heads_and_dim
 from .engines import input_dims
 from .store import Progress
 
@@ -94,7 +95,8 @@ def _kv(graph: Path, layers_key: str) -> dict:
     model = onnx.load(str(graph), load_external_data=False)
     elem = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}[layers_key]
     shape = dims[layers_key]
-    return {"heads": int(shape[2]), "head_dim": int(shape[3]), "dtype": {1: "float32", 10: "float16"}[elem],
+    heads, head_dim = kv_heads_and_dim(shape, str(graph))
+    return {"heads": heads, "head_dim": head_dim, "dtype": {1: "float32", 10: "float16"}[elem],
             "layers": sum(1 for n in dims if n.startswith("past_key_")) or 1}
 
 

@@ -78,7 +78,7 @@ def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: 
 
 
 def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype, batch: int = 1) -> torch.Tensor:
-    return torch.randn(batch, length, num_kv_heads, head_dim).to(dtype)
+    return torch.randn(batch, num_kv_heads, length, head_dim).to(dtype)      # [B, Hkv, rows, D]
 
 
 def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
@@ -94,10 +94,10 @@ def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset:
             "accept_path": {0: "batch", 1: "logit_tokens"}, "accept_length": {0: "batch"},
             "accept_tokens": {0: "batch", 1: "logit_tokens"}}
     for name in inputs[4:]:
-        axes[name] = {0: "batch", 1: "past_tokens"}
+        axes[name] = {0: "batch", 2: "past_tokens"}
     for name in outputs:
         if name.startswith("new_"):
-            axes[name] = {0: "batch", 1: "new_tokens"}
+            axes[name] = {0: "batch", 2: "new_tokens"}
     return _export(TargetGraph, model, dtype, args, path, inputs, outputs, axes, opset)
 
 
@@ -114,9 +114,9 @@ def export_drafter_tree(drafter: EagleDrafter, shape: TreeShape, path: Path, dty
                         opset: int = DEFAULT_OPSET) -> ExportedGraph:
     shape.validate(drafter.cfg.draft_vocab_size)
     axes = {"captured": {0: "batch", 1: "new_tokens"}, "input_ids": {0: "batch", 1: "new_tokens"},
-            "past_key": {0: "batch", 1: "past_tokens"}, "past_value": {0: "batch", 1: "past_tokens"},
+            "past_key": {0: "batch", 2: "past_tokens"}, "past_value": {0: "batch", 2: "past_tokens"},
             "past_lengths": {0: "batch"}, "new_lengths": {0: "batch"},
-            "new_key": {0: "batch", 1: "new_tokens"}, "new_value": {0: "batch", 1: "new_tokens"}}
+            "new_key": {0: "batch", 2: "new_tokens"}, "new_value": {0: "batch", 2: "new_tokens"}}
     for name in DRAFT_TREE_OUTPUTS[:5]:
         axes[name] = {0: "batch"}
     # Traced with two sequences of different lengths, so no length is baked in as a constant.
@@ -137,8 +137,8 @@ def export_drafter_step(drafter: EagleDrafter, path: Path, first: bool, dtype: s
     args = (hidden, ids, torch.arange(TRACE_PAST, TRACE_PAST + TRACE_NEW)[None], causal_mask(TRACE_NEW, TRACE_PAST),
             pk, pv)
     axes = {"hidden": {1: "new_tokens"}, "input_ids": {1: "new_tokens"}, "position_ids": {1: "new_tokens"},
-            "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "past_key": {1: "past_tokens"},
-            "past_value": {1: "past_tokens"}, "logits": {1: "new_tokens"}, "feedback": {1: "new_tokens"},
-            "new_key": {1: "new_tokens"}, "new_value": {1: "new_tokens"}}
+            "attention_mask": {1: "new_tokens", 2: "total_tokens"}, "past_key": {2: "past_tokens"},
+            "past_value": {2: "past_tokens"}, "logits": {1: "new_tokens"}, "feedback": {1: "new_tokens"},
+            "new_key": {2: "new_tokens"}, "new_value": {2: "new_tokens"}}
     return _export(lambda d: DrafterStepGraph(d, first), drafter, dtype, args, path, DRAFT_STEP_INPUTS,
                    DRAFT_STEP_OUTPUTS, axes, opset)

@@ -38,7 +38,7 @@ class DrafterLayer(nn.Module):
 class DrafterOutput:
     logits: Tensor | None   # [B, T, draft_vocab]; None when not asked for (see logits_of)
     feedback: Tensor   # [B, T, H]: the state the next draft step takes in place of f
-    new_k: Tensor      # [B, T, Hkv, D]
+    new_k: Tensor      # [B, Hkv, T, D]
     new_v: Tensor
 
 
@@ -96,5 +96,5 @@ class EagleDrafter(nn.Module):
 
     def empty_past(self, batch: int = 1) -> tuple[Tensor, Tensor]:
         w = self.fc.weight
-        shape = (batch, 0, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        shape = (batch, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
         return torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device)

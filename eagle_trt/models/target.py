@@ -3,8 +3,8 @@
 norm, sliding window, RoPE-less layers); RoPE default / linear / llama3 / yarn.
 
 Everything is an explicit tensor: the KV cache comes in as `past_k` / `past_v` per layer in
-[B, S, Hkv, D] layout (a committed prefix of a preallocated cache is then a contiguous view)
-and only the new rows go out, the attention mask is a boolean [B, T, P + T] tensor that can
+head-major [B, Hkv, S, D] layout (attention reads it in place: no transpose, no copy) and only
+the new rows go out, the attention mask is a boolean [B, T, P + T] tensor that can
 carry a draft-tree mask, positions are an input, and the residual-stream states EAGLE-3
 needs come out concatenated as `captured` ([B, T, A * hidden]).
 """
@@ -104,14 +104,15 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.qk_norm = arch.qk_norm
         self.record_probs, self.last_probs = False, None
-        self.grouped = False           # see _grouped
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor | None, past_v: Tensor | None,
                 cache: tuple[Tensor, Tensor] | None = None, at: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """past_k / past_v [B, P, Hkv, D]: the committed rows, concatenated with the new ones (the
-        exported form). cache (k, v) [B, Hkv, S, D]: a preallocated head-major cache instead;
-        the new rows are written into it at rows at..at+T-1 and attention reads rows 0..at+T-1
-        in place (eager loops: no concat, no copy of the past)."""
+        """past_k / past_v [B, Hkv, P, D]: the committed rows (the exported form). The new rows'
+        keys and values [B, Hkv, T, D] are returned and attended beside the past, not
+        concatenated to it, so a graph reads the past once and copies none of it (the copies and
+        the per-head transposes made a 4k-token verification call 1.7x slower). cache (k, v)
+        [B, Hkv, S, D]: a preallocated cache instead; the new rows are written into it at rows
+        at..at+T-1 and attention reads rows 0..at+T-1 in place (eager loops)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -120,40 +121,35 @@ class Attention(nn.Module):
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        groups = self.num_heads // self.num_kv_heads
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                      # [B, Hkv, T, D]
         if cache is not None:
-            cache[0][:, :, at:at + T], cache[1][:, :, at:at + T] = k.transpose(1, 2), v.transpose(1, 2)
-            return self._grouped(q, cache[0][:, :, :at + T], cache[1][:, :, :at + T], mask, groups), k, v
-        keys = torch.cat((past_k, k), dim=1).transpose(1, 2)              # [B, Hkv, P+T, D]
-        values = torch.cat((past_v, v), dim=1).transpose(1, 2)
-        if self.grouped and groups > 1:
-            return self._grouped(q, keys, values, mask, groups), k, v
-        q = q.transpose(1, 2)                                             # [B, H, T, D]
-        if groups > 1:
-            S = keys.shape[2]
-            keys = keys[:, :, None].expand(B, self.num_kv_heads, groups, S, self.head_dim).reshape(B, -1, S, self.head_dim)
-            values = values[:, :, None].expand(B, self.num_kv_heads, groups, S, self.head_dim).reshape(B, -1, S, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
+            cache[0][:, :, at:at + T], cache[1][:, :, at:at + T] = k, v
+            parts = [(cache[0][:, :, :at + T], cache[1][:, :, :at + T])]
+        else:
+            parts = [(past_k, past_v), (k, v)]
+        return self._attend(q, parts, mask), k, v
+
+    def _attend(self, q: Tensor, parts: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+        """Attention of q [B, T, H, D] over key / value parts [B, Hkv, S_i, D], in order (mask
+        [B, T, sum S_i]). Each KV head's query heads are stacked as the rows of one matmul, so
+        keys and values are read once instead of copied `groups` times."""
+        B, T, H, D = q.shape
+        Hkv = self.num_kv_heads
+        groups = H // Hkv
+        q = q.view(B, T, Hkv, groups, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, groups * T, D)
+        scores = torch.cat([torch.matmul(q, k.transpose(-1, -2)) for k, _ in parts], dim=-1) * (1.0 / math.sqrt(D))
+        S = scores.shape[-1]
+        scores = scores.view(B, Hkv, groups, T, S).float().masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         if self.record_probs:          # diagnostics only (eagle_trt.diagnose); never set when exporting
-            self.last_probs = probs.detach()
-        out = torch.matmul(probs, values).transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out), k, v
-
-    def _grouped(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, groups: int) -> Tensor:
-        """The same attention with each KV head's query heads stacked as rows of one matmul, so
-        the keys and values are read once instead of copied `groups` times (the copies
-        dominate a long decode's memory traffic). Set on eager PyTorch loops (`grouped`), not
-        in exported graphs, whose numerics the parity tests pin."""
-        B, T, H, D = q.shape
-        Hkv, S = self.num_kv_heads, keys.shape[2]
-        q = q.view(B, T, Hkv, groups, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, groups * T, D)
-        scores = (torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))).view(B, Hkv, groups, T, S)
-        scores = scores.float().masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, Hkv, groups * T, S)
-        out = torch.matmul(probs, values).view(B, Hkv, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return self.o_proj(out)
+            self.last_probs = probs.detach().reshape(B, H, T, S)
+        probs = probs.view(B, Hkv, groups * T, S)
+        out, start = None, 0
+        for k, v in parts:             # each part's share of the weighted sum, where its rows are
+            rows = k.shape[2]
+            part = torch.matmul(probs[..., start:start + rows], v)
+            out, start = part if out is None else out + part, start + rows
+        return self.o_proj(out.view(B, Hkv, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -187,7 +183,7 @@ class DecoderLayer(nn.Module):
 class TargetOutput:
     logits: Tensor          # [B, T, V], or [B, len(logits_index), V]
     captured: Tensor        # [B, T, A * hidden], streams in the configured order
-    new_k: list[Tensor]     # per layer [B, T, Hkv, D]: only the rows of the T new tokens
+    new_k: list[Tensor]     # per layer [B, Hkv, T, D]: only the rows of the T new tokens
     new_v: list[Tensor]
 
 
@@ -215,7 +211,7 @@ class LlamaTarget(nn.Module):
 
     def empty_past(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> tuple[list[Tensor], list[Tensor]]:
         dtype = dtype or self.embed_tokens.weight.dtype
-        shape = (batch, 0, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        shape = (batch, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
         make = lambda: [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # noqa: E731
         return make(), make()
 
@@ -228,7 +224,7 @@ class LlamaTarget(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         window = self.cfg.arch.sliding_window
-        past = at if cache is not None else past_k[0].shape[1]
+        past = at if cache is not None else past_k[0].shape[2]
         windowed = None if window is None else attention_mask & window_mask(position_ids, past, window)
         streams: dict[int, Tensor] = {}
         new_k, new_v = [], []
@@ -247,15 +243,6 @@ class LlamaTarget(nn.Module):
         if logits_index is not None:
             h = h.index_select(1, logits_index)
         return TargetOutput(self.lm_head(self.norm(h)), captured, new_k, new_v)
-
-
-def set_grouped_attention(model: nn.Module, on: bool = True) -> nn.Module:
-    """Switch every Attention in `model` to the grouped-query matmul form (Attention._grouped):
-    for eager PyTorch loops (generation, feature extraction, training), not for export."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.grouped = on
-    return model
 
 
 def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:

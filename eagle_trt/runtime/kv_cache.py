@@ -1,7 +1,8 @@
 """A KV cache for a batch of sequences, each with its own committed length.
 
-Layout [L, B, S, Hkv, D]: sequence b owns slot b, its committed rows are 0..length[b]-1 in
-order (row index = position), and a forward pass stages its new rows right after them. The
+Layout [L, B, Hkv, S, D] (head-major, the graphs' own: attention reads a layer's past in
+place): sequence b owns slot b, its committed rows are 0..length[b]-1 in order (row index =
+position), and a forward pass stages its new rows right after them. The
 graph's new rows are held where the graph wrote them (`write` keeps a reference); after
 verification `commit(rows)` copies each sequence's accepted rows straight into place, one
 indexed copy per cache, and advances its length (the rows a call rejects are never copied).
@@ -26,20 +27,20 @@ class KVCache:
         self.lengths: list[int] = []
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
-        self.new_rows: tuple[Tensor, Tensor] | None = None   # the last forward's K / V rows [L, b, T, Hkv, D]
+        self.new_rows: tuple[Tensor, Tensor] | None = None   # the last forward's K / V rows [L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
         L, H, D = self.layout
-        k = torch.zeros((L, batch, rows, H, D), dtype=self.dtype, device=self.device)
+        k = torch.zeros((L, batch, H, rows, D), dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         if self.k is not None:
-            b, s = min(batch, self.k.shape[1]), min(rows, self.k.shape[2])
-            k[:, :b, :s], v[:, :b, :s] = self.k[:, :b, :s], self.v[:, :b, :s]
+            b, s = min(batch, self.k.shape[1]), min(rows, self.k.shape[3])
+            k[:, :b, :, :s], v[:, :b, :, :s] = self.k[:, :b, :, :s], self.v[:, :b, :, :s]
         self.k, self.v = k, v
 
     @property
     def capacity(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.k.shape[3])
 
     @property
     def batch(self) -> int:
@@ -58,7 +59,7 @@ class KVCache:
         last = self.batch - 1
         if slot != last:
             n = self.lengths[last]
-            self.k[:, slot, :n], self.v[:, slot, :n] = self.k[:, last, :n], self.v[:, last, :n]
+            self.k[:, slot, :, :n], self.v[:, slot, :, :n] = self.k[:, last, :, :n], self.v[:, last, :, :n]
             self.lengths[slot] = n
         self.lengths.pop()
         keep = -(-(max(self.lengths, default=0) + 1) // CHUNK) * CHUNK
@@ -77,12 +78,12 @@ class KVCache:
         self.staged, self.staged_slots = T, slots
 
     def past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:
-        """The first `width` rows of each sequence in `slots`: a [b, width, Hkv, D] view, contiguous
-        when there is one sequence or width is the capacity."""
-        return self.k[layer, slots.start:slots.stop, :width], self.v[layer, slots.start:slots.stop, :width]
+        """The first `width` rows of each sequence in `slots`: a [b, Hkv, width, D] view, contiguous
+        when width is the capacity."""
+        return self.k[layer, slots.start:slots.stop, :, :width], self.v[layer, slots.start:slots.stop, :, :width]
 
     def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor) -> None:
-        """The staged rows ([b, T, Hkv, D] per layer, or all layers as one [L, b, T, Hkv, D]
+        """The staged rows ([b, Hkv, T, D] per layer, or all layers as one [L, b, Hkv, T, D]
         tensor), kept as they are until `commit` copies the accepted ones into place: the caller
         must not overwrite them before it commits (the backends' staging buffers are rewritten
         only by their next call)."""
@@ -105,15 +106,18 @@ class KVCache:
         new_k, new_v = self.new_rows
         if len(slots) == 1 and rows[0] == list(range(len(rows[0]))):   # one sequence, a run of rows: slices
             b, n, at = slots.start, len(rows[0]), self.lengths[slots.start]
-            self.k[:, b, at:at + n] = new_k[:, 0, :n]
-            self.v[:, b, at:at + n] = new_v[:, 0, :n]
-        elif any(rows):   # rows of (slot, row) flattened: index_select / index_copy_, 2x an indexed assignment
-            L, _, S, H, D = self.k.shape
-            T = new_k.shape[2]
-            src = self._flat([i * T + r for i, seq in enumerate(rows) for r in seq])
-            dst = self._flat([b * S + self.lengths[b] + j for b, seq in zip(slots, rows) for j in range(len(seq))])
+            self.k[:, b, :, at:at + n] = new_k[:, 0, :, :n]
+            self.v[:, b, :, at:at + n] = new_v[:, 0, :, :n]
+        elif any(rows):   # rows of (slot, head, row) flattened: index_select / index_copy_, 2x an indexed assignment
+            L, _, H, S, D = self.k.shape
+            T = new_k.shape[3]
+            heads = torch.arange(H, device=self.k.device)[None]
+            src = self._flat([i * H * T + r for i, seq in enumerate(rows) for r in seq])[:, None] + heads * T
+            dst = self._flat([b * H * S + self.lengths[b] + j for b, seq in zip(slots, rows)
+                              for j in range(len(seq))])[:, None] + heads * S
             for buf, new in ((self.k, new_k), (self.v, new_v)):
-                buf.view(L, -1, H, D).index_copy_(1, dst, new.to(buf.device).reshape(L, -1, H, D).index_select(1, src))
+                kept = new.to(buf.device).reshape(L, -1, D).index_select(1, src.view(-1))
+                buf.view(L, -1, D).index_copy_(1, dst.view(-1), kept)
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None

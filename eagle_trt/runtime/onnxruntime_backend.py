@@ -1,7 +1,7 @@
 """ONNX Runtime backend: the exported target graph (greedy acceptance at its end) and the
 drafter graph with the tree baked in, two graph calls per iteration.
 
-Host work is kept small: the KV caches are torch tensors in the graphs' own [B, S, Hkv, D]
+Host work is kept small: the KV caches are torch tensors in the graphs' own [B, Hkv, S, D]
 layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
 rows into a preallocated staging tensor, from which the commit copies only the accepted rows
 into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter)
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS
+from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
 from .backend import DrafterBackend, TargetBackend, tree_from_outputs
 from .kv_cache import CHUNK
 
@@ -105,7 +105,7 @@ class Bindings:
         self.entries: dict[tuple, tuple[ort.IOBinding, torch.Tensor]] = {}
 
     def get(self, backend, slots: range, T: int, width: int) -> tuple[ort.IOBinding, torch.Tensor]:
-        """The binding for this call shape and its staging tensor [2, L, b, T, Hkv, D] (new K, new V)."""
+        """The binding for this call shape and its staging tensor [2, L, b, Hkv, T, D] (new K, new V)."""
         cache = backend.cache
         key = (slots.start, slots.stop, T, width, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         entry = self.entries.get(key)
@@ -114,7 +114,8 @@ class Bindings:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
             io = self.session.io_binding()
-            staging = torch.empty((2, len(self.kv_names), len(slots), T, *cache.k.shape[3:]), dtype=cache.k.dtype)
+            L, _, H, _, D = cache.k.shape
+            staging = torch.empty((2, len(self.kv_names), len(slots), H, T, D), dtype=cache.k.dtype)
             for i, (past_k, past_v, new_k, new_v) in enumerate(self.kv_names):
                 bind_past(io, backend, slots, width, i, (past_k, past_v))
                 bind_buffer(io, new_k, staging[0, i])
@@ -152,8 +153,7 @@ class OrtTarget(_Timed, TargetBackend):
         self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_"))
-        shape = inputs["past_key_0"].shape   # [B, past_tokens, Hkv, D]
-        self.kv_heads, self.head_dim = int(shape[2]), int(shape[3])
+        self.kv_heads, self.head_dim = kv_heads_and_dim(inputs["past_key_0"].shape, str(path))
         self.dtype = TORCH_DTYPES[inputs["past_key_0"].type]
         self.max_context = max_context
         outputs = {o.name: o for o in self.session.get_outputs()}
@@ -209,8 +209,7 @@ class OrtDrafter(_Timed, DrafterBackend):
         if "past_lengths" not in inputs:
             raise ValueError(f"{path}: drafter graph has no batch inputs (past_lengths, new_lengths): it was exported "
                              f"by an older eagle_trt; re-export it (python -m eagle_trt.build --force export)")
-        kv = inputs["past_key"].shape
-        self.kv_heads, self.head_dim = int(kv[2]), int(kv[3])
+        self.kv_heads, self.head_dim = kv_heads_and_dim(inputs["past_key"].shape, str(path))
         self.dtype = TORCH_DTYPES[inputs["past_key"].type]
         nodes = self.session.get_outputs()[0].shape[-1]
         if isinstance(nodes, int) and nodes != shape.total_tokens:

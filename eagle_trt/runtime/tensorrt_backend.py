@@ -2,7 +2,7 @@
 behind the same TargetBackend / DrafterBackend protocols as the PyTorch and ONNX Runtime ones.
 
 Device buffers are torch CUDA tensors: the batched KV caches (runtime/kv_cache.py) live on the
-GPU in the engines' [B, S, Hkv, D] layout, so a block of sequences' past is bound as `past_*`
+GPU in the engines' [B, Hkv, S, D] layout, so a block of sequences' past is bound as `past_*`
 without a copy, and the commit copies the accepted ones of the new rows the engine returns into
 place on the GPU. The target engine's greedy acceptance (accept_* outputs) and the drafter's
 trees stay on the GPU too: the decoder builds the next verification inputs there and copies
@@ -124,7 +124,7 @@ class TrtTarget(TargetBackend):
         e = self.engine
         self.num_layers = sum(1 for n in e.inputs if n.startswith("past_key_"))
         lo, _, _ = e.profile_range(0, "past_key_0")
-        self.kv_heads, self.head_dim = lo[2], lo[3]
+        self.kv_heads, self.head_dim = lo[1], lo[3]           # [B, Hkv, past_tokens, D]
         self.dtype = e.dtypes["past_key_0"]
         self.max_context = max_context
 
@@ -138,7 +138,7 @@ class TrtTarget(TargetBackend):
         for i in range(self.num_layers):   # past: contiguous views of the cache, no copies
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = self._past(slots, width, i)
         outputs = {}
-        shapes = {"input_ids": (B, T), "past_key_0": (B, width, self.kv_heads, self.head_dim)}
+        shapes = {"input_ids": (B, T), "past_key_0": (B, self.kv_heads, width, self.head_dim)}
         self.engine.run(_profile(self.engine, shapes, T), feeds, outputs)
         # Everything stays on the GPU: greedy acceptance comes out of the engine (its accept_*
         # outputs), and only the accepted paths and tokens are copied to the host by the decoder;
@@ -154,7 +154,7 @@ class TrtDrafter(DrafterBackend):
     def __init__(self, plan: str | Path, shape: TreeShape, stream: torch.cuda.Stream | None = None):
         self.engine = Engine(plan, stream)
         lo, _, _ = self.engine.profile_range(0, "past_key")
-        self.kv_heads, self.head_dim = lo[2], lo[3]
+        self.kv_heads, self.head_dim = lo[1], lo[3]
         self.dtype = self.engine.dtypes["past_key"]
         self.shape = shape
 

@@ -26,7 +26,6 @@ import torch
 from ..checkpoints import CheckpointError, cache_dir, load_drafter, load_target, save_drafter
 from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, cpu_has_bf16, resolve_device
-from ..models.target import set_grouped_attention
 from .data import DataConfig, load_samples
 from .features import (MANIFEST, PRECISIONS, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures,
                        atomic_json, extract_features, tokens_by_precision)
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     target = load_target(args.target)   # float32: the cached features are the reference's
-    set_grouped_attention(target.model.to(device))
+    target.model.to(device)
     L = target.config.num_hidden_layers
     capture = (CaptureLayers(tuple(int(x) for x in args.capture_layers.split(",")), "layer_input")
                if args.capture_layers else CaptureLayers.eagle_default(L))
@@ -266,7 +265,6 @@ def main(argv=None) -> int:
     drafter = new_drafter(target.config, args.variant, vocab, capture, m.embed_tokens.weight.detach().cpu(),
                           head_rows.cpu(), m.norm.weight.detach().cpu(), seed=args.seed,
                           init_layer=init_layer).to(device)
-    set_grouped_attention(drafter)
     start_cpu_s = 0.0
     if start is not None:
         drafter.load_state_dict({k: v.to(device) for k, v in start.state_dict().items() if k != "embed_tokens.weight"},

@@ -42,7 +42,6 @@ from ..api import load_target_on
 from ..checkpoints import cache_dir
 from ..config import ConfigError
 from ..devices import add_device_options
-from ..models.target import set_grouped_attention
 from .data import DataConfig, Sample, first_turns
 from .features import FEATURE_FORMAT, FP16_MAX, FeatureError, shard_fingerprint, target_identity
 
@@ -349,7 +348,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     try:
         target = load_target_on(args.target, args.device, args.dtype)
-        set_grouped_attention(target.model)
         counts = regenerate(target, args.out, args.split, args.max_prompts, args.max_prompt_tokens,
                             args.max_new_tokens, args.batch_size, args.workers, args.worker,
                             None if args.no_features else features_dir(args.out),

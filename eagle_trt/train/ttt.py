@@ -242,7 +242,7 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
             mask = torch.cat([anchor_causal] + [anchor_eye] * k, dim=2)
             pos = anchors + k
         step = drafter(hidden, at(ids), pos, mask, past_k, past_v)
-        past_k, past_v = torch.cat((past_k, step.new_k), 1), torch.cat((past_v, step.new_v), 1)
+        past_k, past_v = torch.cat((past_k, step.new_k), 2), torch.cat((past_v, step.new_v), 2)
         logp = torch.log_softmax(step.logits.float(), dim=-1)
         ce = -(at(target_p) * logp).sum(-1)                               # [B, rows]
         counted = at(pred_mask)
