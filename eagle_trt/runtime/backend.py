@@ -84,7 +84,8 @@ class TargetBackend(_Batched):
         (causal for prefill, the tree mask for verification, identity for padding); each
         sequence's committed tokens are all visible. Returns logits [b, T or 1, V] and captured
         states [b, T, A * H]; the rows are staged. Inputs may live on any device; outputs stay on
-        the backend's, so a CUDA loop moves only token ids and the accepted paths."""
+        the backend's, so a CUDA loop moves only token ids and the accepted paths. Outputs may be
+        the backend's own buffers, valid until its next call: copy what must outlive it."""
         T = int(input_ids.shape[1])
         index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
         return self._forward(input_ids, positions, mask, slots, index)

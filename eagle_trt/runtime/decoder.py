@@ -170,7 +170,8 @@ class SpeculativeDecoder:
         self.active.append(seq)
         first = sample_token(logits[0, -1], sampling, seq.gen)
         # The drafter pairs the target state of token t with the id of token t + 1.
-        seq.pending_states, seq.pending_ids = [captured[0]], prompt[1:] + [first]
+        # a copy: a backend's outputs are valid until its next call of the same shape
+        seq.pending_states, seq.pending_ids = [captured[0].clone()], prompt[1:] + [first]
         if self.drafter is not None:
             self.drafter.add_sequence()
         seq.extend([first], self.eos_ids)

@@ -6,8 +6,10 @@ layout, bound as the `past` inputs through zero-copy numpy views; the graph writ
 rows into a preallocated staging tensor, from which the commit copies only the accepted rows
 into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter)
 are made once per call shape and kept (`Bindings`): the past is bound at the cache's full
-capacity, so the shape changes only when the cache grows. Every other output is written by the graph straight into a tensor
-allocated for the call (bound by address: nothing is copied out)."""
+capacity, so the shape changes only when the cache grows. The call's other inputs and outputs
+are preallocated tensors of the same binding, bound by address: a call copies its few small
+inputs into place and reads its outputs where the graph wrote them (valid until the next call
+of the same shape), so it makes no bindings and allocates nothing."""
 from __future__ import annotations
 
 import time
@@ -92,46 +94,62 @@ def bind_buffer(io: ort.IOBinding, name: str, buffer: torch.Tensor) -> None:
     io.bind_output(name, "cpu", 0, NUMPY_DTYPES[buffer.dtype], list(buffer.shape), buffer.data_ptr())
 
 
+class Bound:
+    """One call shape's binding: the KV past / new-row bindings, and every other input and output
+    as a preallocated tensor bound by address (`buffers`): a call copies its small inputs into
+    place and the graph writes its outputs into the same tensors each time, so a call makes no
+    bindings and allocates nothing. Outputs are therefore valid until the backend's next call
+    of the same shape (the decoder copies what it keeps: the accepted rows' states)."""
+
+    def __init__(self, io: ort.IOBinding, staging: torch.Tensor):
+        self.io, self.staging = io, staging          # staging [2, L, b, Hkv, T, D]: new K, new V
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
+        buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
+        if output:
+            bind_buffer(self.io, name, buf)
+        else:
+            self.io.bind_input(name, "cpu", 0, NUMPY_DTYPES[dtype], list(buf.shape), buf.data_ptr())
+        return buf
+
+    def feed(self, **inputs: torch.Tensor) -> None:
+        for name, value in inputs.items():
+            self.buffers[name].copy_(value)
+
+
 class Bindings:
-    """IOBindings kept from call to call, one per call shape (slots, new rows, past width, cache
-    buffers): the past inputs and the new-KV outputs of every cache layer (4L for the target,
-    4 for the drafter) are bound once per shape instead of once per call (rebinding them
-    through Python was about half of an iteration's host work). A shape's entry is dropped
-    when the cache is reallocated. kv_names: per cache layer, the graph's (past key, past
-    value, new key, new value) names."""
+    """Bindings kept from call to call, one per call shape (slots, new rows, past width, cache
+    buffers, and `extra`, e.g. the rows that get logits): the past inputs and new-KV outputs of
+    every cache layer (4L for the target, 4 for the drafter) and the call's other inputs and
+    outputs (`Bound.buffers`) are bound once per shape instead of once per call (rebinding
+    through Python was most of an iteration's host work). A shape's entry is dropped when the
+    cache is reallocated. kv_names: per cache layer, the graph's (past key, past value, new
+    key, new value) names. buffers(bound, b, T, width, *extra) makes the other buffers."""
 
-    def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], keep: int = 8):
-        self.session, self.kv_names, self.keep = session, kv_names, keep
-        self.entries: dict[tuple, tuple[ort.IOBinding, torch.Tensor]] = {}
+    def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
+                 keep: int = 8):
+        self.session, self.kv_names, self.make_buffers, self.keep = session, kv_names, buffers, keep
+        self.entries: dict[tuple, Bound] = {}
 
-    def get(self, backend, slots: range, T: int, width: int) -> tuple[ort.IOBinding, torch.Tensor]:
-        """The binding for this call shape and its staging tensor [2, L, b, Hkv, T, D] (new K, new V)."""
+    def get(self, backend, slots: range, T: int, width: int, *extra: int) -> Bound:
         cache = backend.cache
-        key = (slots.start, slots.stop, T, width, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        key = (slots.start, slots.stop, T, width, *extra, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         entry = self.entries.get(key)
         if entry is None:
-            self.entries = {k: e for k, e in self.entries.items() if k[4:] == key[4:]}   # same cache buffers only
+            self.entries = {k: e for k, e in self.entries.items() if k[-3:] == key[-3:]}   # same cache buffers only
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
-            io = self.session.io_binding()
             L, _, H, _, D = cache.k.shape
-            staging = torch.empty((2, len(self.kv_names), len(slots), H, T, D), dtype=cache.k.dtype)
+            entry = Bound(self.session.io_binding(),
+                          torch.empty((2, len(self.kv_names), len(slots), H, T, D), dtype=cache.k.dtype))
             for i, (past_k, past_v, new_k, new_v) in enumerate(self.kv_names):
-                bind_past(io, backend, slots, width, i, (past_k, past_v))
-                bind_buffer(io, new_k, staging[0, i])
-                bind_buffer(io, new_v, staging[1, i])
-            entry = self.entries[key] = (io, staging)
+                bind_past(entry.io, backend, slots, width, i, (past_k, past_v))
+                bind_buffer(entry.io, new_k, entry.staging[0, i])
+                bind_buffer(entry.io, new_v, entry.staging[1, i])
+            self.make_buffers(entry, len(slots), T, width, *extra)
+            self.entries[key] = entry
         return entry
-
-
-def output_buffers(specs: dict[str, tuple[torch.dtype, list]], io: ort.IOBinding, batch: int) -> dict[str, torch.Tensor]:
-    """Fresh tensors for outputs whose only free dimension is the batch (specs: name -> dtype,
-    shape with a name for the batch), bound to `io`: the graph writes into them, no copy out."""
-    out = {}
-    for name, (dtype, shape) in specs.items():
-        out[name] = torch.empty([batch if isinstance(d, str) else d for d in shape], dtype=dtype)
-        bind_buffer(io, name, out[name])
-    return out
 
 
 def fixed_output_specs(session: ort.InferenceSession, names) -> dict[str, tuple[torch.dtype, list]]:
@@ -160,7 +178,7 @@ class OrtTarget(_Timed, TargetBackend):
         self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
         self.bindings = Bindings(self.session, [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}")
-                                                for i in range(self.num_layers)])
+                                                for i in range(self.num_layers)], self._buffers)
         self.graph_accepts = set(ACCEPT_OUTPUTS) <= set(outputs)   # graphs exported before format 5 do not
 
     def reset(self, capacity: int = CHUNK) -> None:
@@ -178,27 +196,24 @@ class OrtTarget(_Timed, TargetBackend):
         logits, captured = self._forward(input_ids, positions, mask, slots, index)
         return logits, captured[:, :T]
 
-    def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        b, T = input_ids.shape
-        io, staging = self.bindings.get(self, slots, T, width)
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
-        io.bind_cpu_input("position_ids", positions.numpy().astype(np.int64, copy=False))
-        io.bind_cpu_input("attention_mask", mask.numpy())
-        io.bind_cpu_input("logits_index", logits_index.numpy())
-        # fresh each call: the caller may keep them past the next call
-        logits = torch.empty((b, len(logits_index), self.vocab_size), dtype=self.logits_dtype)
-        captured = torch.empty((b, T, self.captured_width), dtype=self.captured_dtype)
-        bind_buffer(io, "logits", logits)
-        bind_buffer(io, "captured", captured)
+    def _buffers(self, bound: Bound, b: int, T: int, width: int, K: int) -> None:
+        for name, shape in (("input_ids", [b, T]), ("position_ids", [b, T]), ("logits_index", [K])):
+            bound.buffer(name, torch.int64, shape, output=False)
+        bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
+        bound.buffer("logits", self.logits_dtype, [b, K, self.vocab_size], output=True)
+        bound.buffer("captured", self.captured_dtype, [b, T, self.captured_width], output=True)
         if self.graph_accepts:
-            K = len(logits_index)
-            accept = (torch.empty((b, K), dtype=torch.int64), torch.empty(b, dtype=torch.int64),
-                      torch.empty((b, K), dtype=torch.int64))
-            for name, buf in zip(ACCEPT_OUTPUTS, accept):
-                bind_buffer(io, name, buf)
-            self._graph_accept = (logits, *accept)
-        self._run_graph(io)
-        return logits, captured, staging[0], staging[1]
+            for name, shape in zip(ACCEPT_OUTPUTS, ([b, K], [b], [b, K])):
+                bound.buffer(name, torch.int64, shape, output=True)
+
+    def _run(self, input_ids, positions, mask, logits_index, slots, width):
+        bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, len(logits_index))
+        bound.feed(input_ids=input_ids, position_ids=positions, attention_mask=mask, logits_index=logits_index)
+        out = bound.buffers
+        if self.graph_accepts:
+            self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
+        self._run_graph(bound.io)
+        return out["logits"], out["captured"], bound.staging[0], bound.staging[1]
 
 
 class OrtDrafter(_Timed, DrafterBackend):
@@ -215,18 +230,24 @@ class OrtDrafter(_Timed, DrafterBackend):
         if isinstance(nodes, int) and nodes != shape.total_tokens:
             raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
                              f"not {shape.total_tokens}; re-export it for this tree shape")
-        self.bindings = Bindings(self.session, [("past_key", "past_value", "new_key", "new_value")])
+        self.bindings = Bindings(self.session, [("past_key", "past_value", "new_key", "new_value")], self._buffers)
         self.tree_outputs = fixed_output_specs(self.session, DRAFT_TREE_OUTPUTS[:5])
+        self.captured_width = int(inputs["captured"].shape[-1])
+        self.captured_dtype = TORCH_DTYPES[inputs["captured"].type]
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
+    def _buffers(self, bound: Bound, b: int, T: int, width: int) -> None:
+        bound.buffer("captured", self.captured_dtype, [b, T, self.captured_width], output=False)
+        bound.buffer("input_ids", torch.int64, [b, T], output=False)
+        for name in ("past_lengths", "new_lengths"):
+            bound.buffer(name, torch.int64, [b], output=False)
+        for name, (dtype, shape) in self.tree_outputs.items():
+            bound.buffer(name, dtype, [b if isinstance(d, str) else d for d in shape], output=True)
+
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
-        io, staging = self.bindings.get(self, slots, int(input_ids.shape[1]), width)
-        io.bind_cpu_input("captured", captured.to(self.dtype).contiguous().numpy())
-        io.bind_cpu_input("input_ids", input_ids.numpy().astype(np.int64, copy=False))
-        io.bind_cpu_input("past_lengths", past_lengths.numpy())
-        io.bind_cpu_input("new_lengths", new_lengths.numpy())
-        out = output_buffers(self.tree_outputs, io, len(slots))   # fresh: a caller may keep its trees
-        self._run_graph(io)
-        return tree_from_outputs(out), staging[0, 0], staging[1, 0]
+        bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width)
+        bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
+        self._run_graph(bound.io)
+        return tree_from_outputs(bound.buffers), bound.staging[0, 0], bound.staging[1, 0]
