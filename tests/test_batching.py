@@ -41,6 +41,10 @@ def test_kv_cache_slots_compaction_and_moves():
     cache.write([rows[1:2]] * 2, [rows[1:2]] * 2)
     cache.commit([[0, 1]])
     assert cache.k[0, 1, 1, :5, 0].tolist() == [-4, -5, -6, -4, -5]
+    cache.stage(range(1, 2), 3)                                   # rows that skip one: a copy per run
+    cache.write([rows[1:2]] * 2, [rows[1:2]] * 2)
+    cache.commit([[0, 2]])
+    assert cache.k[0, 1, 1, :7, 0].tolist() == [-4, -5, -6, -4, -5, -4, -6] and cache.lengths == [1, 7]
 
 
 def test_call_costs_interpolate_and_extend():

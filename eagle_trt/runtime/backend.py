@@ -87,7 +87,7 @@ class TargetBackend(_Batched):
         the backend's, so a CUDA loop moves only token ids and the accepted paths. Outputs may be
         the backend's own buffers, valid until its next call: copy what must outlive it."""
         T = int(input_ids.shape[1])
-        index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
+        index = torch.arange(T - 1 if last_only else 0, T)
         return self._forward(input_ids, positions, mask, slots, index)
 
     def _forward(self, input_ids, positions, mask, slots, index):

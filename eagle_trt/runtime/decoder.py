@@ -206,11 +206,14 @@ class SpeculativeDecoder:
             self.cost_model.time_catch_up(rows, catch_up)
         lengths = [len(s.pending_ids) for s in batch]
         T, width = max(lengths), batch[0].pending_states[0].shape[-1]
-        states = batch[0].pending_states[0].new_zeros(len(batch), T, width)
-        ids = torch.zeros(len(batch), T, dtype=torch.int64)
-        for i, s in enumerate(batch):   # padding rows are never committed nor seen
-            states[i, :lengths[i]] = s.pending_states[0]
-            ids[i, :lengths[i]] = torch.tensor(s.pending_ids)
+        if len(batch) == 1:             # one sequence: its rows as they are
+            states, ids = batch[0].pending_states[0][None], torch.tensor([batch[0].pending_ids])
+        else:
+            states = batch[0].pending_states[0].new_zeros(len(batch), T, width)
+            ids = torch.zeros(len(batch), T, dtype=torch.int64)
+            for i, s in enumerate(batch):   # padding rows are never committed nor seen
+                states[i, :lengths[i]] = s.pending_states[0]
+                ids[i, :lengths[i]] = torch.tensor(s.pending_ids)
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                             lambda sec: self.cost_model.time_draft(len(batch), T, sec))
         for s in batch:

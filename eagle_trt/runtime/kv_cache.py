@@ -104,10 +104,12 @@ class KVCache:
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new_k, new_v = self.new_rows
-        if len(slots) == 1 and rows[0] == list(range(len(rows[0]))):   # one sequence, a run of rows: slices
-            b, n, at = slots.start, len(rows[0]), self.lengths[slots.start]
-            self.k[:, b, :, at:at + n] = new_k[:, 0, :, :n]
-            self.v[:, b, :, at:at + n] = new_v[:, 0, :, :n]
+        if len(slots) == 1 and len(rows[0]) <= 4:   # one sequence, a few rows: slice copies, no index tensors
+            b, at, seq = slots.start, self.lengths[slots.start], rows[0]
+            for j, r in _runs(seq):                  # consecutive rows go in one copy
+                n = len(r)
+                self.k[:, b, :, at + j:at + j + n] = new_k[:, 0, :, r[0]:r[0] + n]
+                self.v[:, b, :, at + j:at + j + n] = new_v[:, 0, :, r[0]:r[0] + n]
         elif any(rows):   # rows of (slot, head, row) flattened: index_select / index_copy_, 2x an indexed assignment
             L, _, H, S, D = self.k.shape
             T = new_k.shape[3]
@@ -121,3 +123,14 @@ class KVCache:
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
+
+
+def _runs(rows: list[int]) -> list[tuple[int, list[int]]]:
+    """Split increasing row indices into runs of consecutive ones: (offset in rows, the run)."""
+    runs: list[tuple[int, list[int]]] = []
+    for j, r in enumerate(rows):
+        if runs and r == runs[-1][1][-1] + 1:
+            runs[-1][1].append(r)
+        else:
+            runs.append((j, [r]))
+    return runs

@@ -186,7 +186,7 @@ class OrtTarget(_Timed, TargetBackend):
 
     def forward(self, input_ids, positions, mask, slots=None, last_only=False):
         B, T = input_ids.shape
-        index = torch.tensor([T - 1] if last_only else list(range(T)), dtype=torch.int64)
+        index = torch.arange(T - 1 if last_only else 0, T)
         if T < self.min_rows:
             pad = self.min_rows - T
             input_ids = torch.cat((input_ids, input_ids[:, -1:].repeat(1, pad)), 1)
