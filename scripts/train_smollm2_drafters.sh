@@ -7,6 +7,7 @@
 #   GEN_MIN=45 TRAIN_MIN=55 bash scripts/train_smollm2_drafters.sh
 #   PROMPTS=20480 GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh   # only more data
 #   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # leg 2: the first 20 chunks
+#   GEN_MIN=0 VARIANTS=eagle3 TRAIN_MIN=150 bash scripts/train_smollm2_drafters.sh   # one variant catching up
 #
 # On a machine that did not generate the data, the target features are recomputed from the ids:
 # float32 ~290 tokens/s per core, bf16 autocast (FEATURE_PRECISION=bfloat16, the default) ~750 on
@@ -30,6 +31,7 @@ TRAIN_MIN=${TRAIN_MIN:-55}
 LR=${LR:-4e-4}
 WARMUP=${WARMUP:-50}
 FEATURE_PRECISION=${FEATURE_PRECISION:-bfloat16}
+VARIANTS=${VARIANTS:-eagle3.1 eagle3}
 RUN=$CACHE/runs/leg-$(date +%Y%m%d-%H%M)
 mkdir -p "$RUN"
 
@@ -55,7 +57,7 @@ fi
 # target features of every chunk (those written on the side by regenerate on this machine are reused)
 python -m eagle_trt.train --target smollm2 --distill "$DATA" \
     --eval-distill data/distill/smollm2-val --features-only --threads 2 --feature-precision "$FEATURE_PRECISION"
-for variant in eagle3.1 eagle3; do
+for variant in $VARIANTS; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
         --distill "$DATA" --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps "$WARMUP" \
@@ -63,7 +65,7 @@ for variant in eagle3.1 eagle3; do
         --time-budget-min "$TRAIN_MIN" --schedule budget --feature-precision "$FEATURE_PRECISION" > "$RUN/$variant.log" 2>&1 &
 done
 wait
-for variant in eagle3.1 eagle3; do
+for variant in $VARIANTS; do
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
         --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks (scripts/train_smollm2_drafters.sh)"
 done
