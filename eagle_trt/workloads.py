@@ -16,7 +16,7 @@ from .data import mtbench_prompts, package_dir
 
 ESSAY_QUESTION = "\n\nWhat is the main argument of the essay above? Explain it in a few sentences."
 CUSTOM_SYSTEM = "You are a terse expert. Answer precisely, in as few words as the question allows."
-LONG_LENGTHS = {"long-1k": 1024, "long-2k": 2048, "long-4k": 4096}
+LONG_LENGTHS = {"long-1k": 1024, "long-2k": 2048, "long-4k": 4096, "long-7k": 7168}
 
 
 def essays() -> list[str]:
