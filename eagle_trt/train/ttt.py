@@ -231,6 +231,7 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
         anchor_causal, anchor_eye = causal[anchors], torch.eye(m, dtype=torch.bool, device=dev).expand(B, m, m)
     past_k, past_v = drafter.empty_past(B)
     out = TTTOutput([], [], [])
+    hits, counts = [], []     # tensors until the end: a host sync inside the loop splits a compiled graph
     for k in range(steps):
         sl = slice(1 + k, 1 + k + n)             # position p = j + 1 + k
         if k == 0 or anchors is None:
@@ -250,14 +251,15 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
         out.losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
         with torch.no_grad():
             hit = drafter.to_target_ids(step.logits.argmax(-1)) == at(argmax)
-            c = int(counted.sum())
-            out.accs.append(float((hit & counted).sum()) / max(c, 1))
-            out.counts.append(c)
+            hits.append((hit & counted).sum())
+            counts.append(counted.sum())
         if keep_logits:
             out.logits.append(step.logits)
         hidden = step.feedback                   # z (EAGLE 3.1) or h2 (EAGLE-3), same index j
         if k == 0 and anchors is not None:
             hidden = _rows(hidden, anchors)
+    out.counts = [int(c) for c in counts]
+    out.accs = [float(h) / max(c, 1) for h, c in zip(hits, out.counts)]
     return out
 
 
