@@ -39,18 +39,27 @@ class DraftTree:
         return DraftTree(self.tokens[b], self.parents[b], self.mask[b], self.depths[b], self.scores[b])
 
     def top(self, n: int) -> "DraftTree":
-        """The subtree of this (unbatched) tree's n best nodes by score, in node order. Ranked with
-        ties to the lower index, as select_nodes ranks: a child never outranks its parent, so the
-        subtree is closed under ancestry. Verifying it is verifying fewer draft tokens."""
+        """The subtree of each tree's n best nodes by score, in node order (a tree or a batch of
+        trees, no loop over the batch). Ranked with ties to the lower index, as select_nodes
+        ranks: a child never outranks its parent, so the subtree is closed under ancestry.
+        Verifying it is verifying fewer draft tokens."""
         if n >= self.size:
             return self
-        keep = torch.nonzero(rank_desc(self.scores) < n).flatten()            # increasing node order
-        rows = torch.cat((torch.zeros(1, dtype=torch.int64, device=keep.device), keep + 1))
-        index = torch.full((self.size + 1,), -1, dtype=torch.int64, device=keep.device)
-        index[rows] = torch.arange(n + 1, device=keep.device)
-        parents = self.parents[rows]
-        parents = torch.where(parents < 0, parents, index[parents.clamp(min=0)])
-        return DraftTree(self.tokens[keep], parents, self.mask[rows][:, rows], self.depths[rows], self.scores[keep])
+        N, dev = self.size, self.scores.device
+        lead = self.scores.shape[:-1]
+        order = torch.arange(N, device=dev)
+        kept = rank_desc(self.scores) < n                                           # n per tree
+        keep = N - torch.topk(torch.where(kept, N - order, 0), n, dim=-1).values   # increasing node order
+        last = keep.dim() - 1
+        rows = torch.cat((torch.zeros(*lead, 1, dtype=torch.int64, device=dev), keep + 1), -1)   # root first
+        index = torch.full((*lead, N + 1), -1, dtype=torch.int64, device=dev).scatter(
+            last, rows, torch.arange(n + 1, device=dev).expand(*lead, n + 1))      # old node -> new node
+        parents = self.parents.gather(last, rows)
+        parents = torch.where(parents < 0, parents, index.gather(last, parents.clamp(min=0)))
+        cols = self.mask.gather(last + 1, rows[..., None, :].expand(*lead, N + 1, n + 1))   # kept columns
+        mask = cols.gather(last, rows[..., :, None].expand(*lead, n + 1, n + 1))             # of kept rows
+        return DraftTree(self.tokens.gather(last, keep), parents, mask, self.depths.gather(last, rows),
+                         self.scores.gather(last, keep))
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -60,3 +60,30 @@ def test_batched_greedy_acceptance_can_fail_on_a_wrong_tree():
     flat = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
     path, length, tokens = accept_greedy_batch(best, ids, flat)
     assert (path[0, :2].tolist(), int(length[0]), tokens[0, :2].tolist()) == ([0, 1], 2, [5, 6])
+
+
+def test_batched_top_n_subtrees_equal_each_tree_s_own():
+    """DraftTree.top on a batch of trees (one selection, no loop) equals each tree's own top-n
+    subtree, node for node, and every kept node's parent is kept (closure under ancestry)."""
+    from eagle_trt.tree import rank_desc
+    gen = torch.Generator().manual_seed(5)
+    trees = []
+    for _ in range(6):
+        t = random_tree(12, 50, gen)
+        scores = torch.zeros(13)
+        for i in range(1, 13):    # cumulative log-probs: a child never beats its parent; some ties
+            scores[i] = scores[t.parents[i]] - torch.randint(0, 3, (1,), generator=gen).float()
+        trees.append(DraftTree(t.tokens, t.parents, t.mask, t.depths, scores[1:]))
+    fields = ("tokens", "parents", "mask", "depths", "scores")
+    batch = DraftTree(*(torch.stack([getattr(t, f) for t in trees]) for f in fields))
+    for n in (1, 4, 7, 12):
+        top = batch.top(n)
+        for b, t in enumerate(trees):
+            want = [i + 1 for i in range(12) if rank_desc(t.scores)[i] < n]
+            got = top.row(b)
+            assert got.tokens.tolist() == [int(t.tokens[i - 1]) for i in want]
+            assert got.depths.tolist() == [0] + [int(t.depths[i]) for i in want]
+            kept = [0] + want
+            assert got.parents.tolist() == [-1] + [kept.index(int(t.parents[i])) for i in want]
+            assert torch.equal(got.mask, t.mask[kept][:, kept])
+            assert torch.equal(got.mask, ancestor_mask(got.parents[None], n + 1)[0])

@@ -235,26 +235,24 @@ class SpeculativeDecoder:
             n = self.cost_model.choose(B, sum(self._backlog(s) for s in behind), sum(left) // max(len(left), 1))
         self.verified.append(n)
         roots = [s.result.tokens[-1] for s in batch]
+        # the verified trees, where the drafter made them: every node, or each tree's n best (one
+        # batched selection); the verification inputs are built there too, so on a GPU the only
+        # host-to-device copies are the roots and lengths
+        verified = None
         if n > 0:
             full, catch_up = self._draft(batch)
-        trees = {}    # sequence -> the (sub)tree it verifies, made where needed
+            verified = full.top(n)
+        dev = verified.tokens.device if verified is not None else torch.device("cpu")
 
         def tree(i: int) -> DraftTree:
-            if i not in trees:
-                trees[i] = full.row(i).top(n) if n > 0 else _empty_tree(dev)
-            return trees[i]
-        # the verification inputs are built where the trees are (the drafter's device): on a GPU
-        # the only host-to-device copies are the roots and lengths
-        dev = full.tokens.device if n > 0 else torch.device("cpu")
+            return verified.row(i) if verified is not None else _empty_tree(dev)
         lengths = torch.tensor(self.target.lengths, device=dev)
-        if n > 0 and n >= self.nodes:     # every node: the batch's trees as the drafter returned them
-            ids = torch.cat((torch.tensor(roots, device=dev)[:, None], full.tokens), 1)
-            positions, mask = lengths[:, None] + full.depths, full.mask
-        else:
-            subtrees = [tree(i) for i in range(B)]
-            ids = torch.stack([torch.cat((torch.tensor([r], device=dev), t.tokens)) for r, t in zip(roots, subtrees)])
-            positions = torch.stack([lengths[i] + t.depths for i, t in enumerate(subtrees)])
-            mask = torch.stack([t.mask for t in subtrees])
+        roots_t = torch.tensor(roots, device=dev)[:, None]
+        if verified is not None:
+            ids = torch.cat((roots_t, verified.tokens), 1)
+            positions, mask = lengths[:, None] + verified.depths, verified.mask
+        else:                             # plain decoding: each root alone
+            ids, positions, mask = roots_t, lengths[:, None], torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
@@ -263,6 +261,8 @@ class SpeculativeDecoder:
         path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
         K = path_t.shape[1]
         greedy = torch.cat((path_t, length_t[:, None], tokens_t), 1).tolist()
+        observe = self.cost_model is not None and verified is not None
+        ranks = rank_desc(verified.scores).tolist() if observe else None   # each node's rank in its tree
         for i, (row, s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling
             if sampling.greedy:
@@ -273,9 +273,8 @@ class SpeculativeDecoder:
                 new = [int(ids[i, j]) for j in path[1:]] + [bonus]
             paths.append(path)
             news.append(new)
-            if self.cost_model is not None and n > 0:
-                ranks = rank_desc(tree(i).scores).tolist()
-                self.cost_model.observe([ranks[j - 1] for j in path[1:]], n)
+            if observe:
+                self.cost_model.observe([ranks[i][j - 1] for j in path[1:]], n)
         self.target.commit(paths)
         if self.cost_model is not None:
             self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)
