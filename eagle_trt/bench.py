@@ -39,7 +39,7 @@ from .evaluate import depth_rates
 from .export import export_pipeline
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from .runtime.timing import OrtDecoding, decoding_threads
+from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
 from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 from .workloads import build
 
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
-    threads = args.threads or None
+    threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
     graphs = export_pipeline(models, candidates[0], folder, log=sys.stderr, only=("target",))
     target_graph = graphs["target"]
     target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)

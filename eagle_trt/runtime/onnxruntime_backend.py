@@ -54,10 +54,11 @@ def make_session(path: str | Path, threads: int | None = None,
     - "in-call" (default): busy-wait inside a call, sleep when it ends
       (session.force_spinning_stop). Speculative decoding alternates two sessions (drafter,
       target): each call gets fast hand-offs between its ops and leaves the cores to the other
-      session. On a 2-core AVX-512 EPYC (3 MT-bench prompts, int8 drafter, tree 3,2,4) verification
-      took 21.1 ms against 23.4 ms with "off" and 36.0 ms with "always".
-    - "always": ONNX Runtime's default, workers keep spinning after a call; fastest for one
-      session run call after call (plain autoregressive decoding: 16.1 ms a step against 16.6).
+      session. On a 2-core AVX-512 EPYC (scripts/spin_modes.py: 3 MT-bench prompts, int8 drafter,
+      tree 3,2,4) speculative decoding ran at 82.9 tok/s, against 70.1 with "off" and 48.4 with
+      "always".
+    - "always": ONNX Runtime's default, workers keep spinning after a call; as fast for one
+      session run call after call (plain decoding: 61.5 tok/s against 61.4 "in-call", 49.7 "off").
     - "off": workers sleep whenever idle (allow_spinning 0)."""
     if spin not in SPIN_MODES:
         raise ValueError(f"spin={spin!r}: expected one of {', '.join(SPIN_MODES)}")
