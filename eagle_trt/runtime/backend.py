@@ -67,6 +67,11 @@ class _Batched:
         return self.cache.past(slots, width, layer)
 
 
+def logits_rows(T: int, last_only: bool) -> Tensor:
+    """The rows of a T-row call that get logits: the last one (prefill) or all."""
+    return torch.arange(T - 1 if last_only else 0, T)
+
+
 class TargetBackend(_Batched):
     max_context: int
     # (logits, path, length, tokens) of the last call, where the target graph computed its own
@@ -86,9 +91,7 @@ class TargetBackend(_Batched):
         states [b, T, A * H]; the rows are staged. Inputs may live on any device; outputs stay on
         the backend's, so a CUDA loop moves only token ids and the accepted paths. Outputs may be
         the backend's own buffers, valid until its next call: copy what must outlive it."""
-        T = int(input_ids.shape[1])
-        index = torch.arange(T - 1 if last_only else 0, T)
-        return self._forward(input_ids, positions, mask, slots, index)
+        return self._forward(input_ids, positions, mask, slots, logits_rows(int(input_ids.shape[1]), last_only))
 
     def _forward(self, input_ids, positions, mask, slots, index):
         T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)

@@ -21,7 +21,7 @@ import torch
 
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
-from .backend import DrafterBackend, TargetBackend, tree_from_outputs
+from .backend import DrafterBackend, TargetBackend, logits_rows, tree_from_outputs
 from .kv_cache import CHUNK
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
@@ -187,7 +187,7 @@ class OrtTarget(_Timed, TargetBackend):
 
     def forward(self, input_ids, positions, mask, slots=None, last_only=False):
         B, T = input_ids.shape
-        index = torch.arange(T - 1 if last_only else 0, T)
+        index = logits_rows(T, last_only)      # of the rows asked for, not the padding
         if T < self.min_rows:
             pad = self.min_rows - T
             input_ids = torch.cat((input_ids, input_ids[:, -1:].repeat(1, pad)), 1)
