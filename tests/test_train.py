@@ -468,6 +468,23 @@ def test_online_features_equal_the_cache_and_train_the_same(target, capture, sam
     assert [e["loss"] for e in live.log] == [e["loss"] for e in cached.log]
 
 
+def test_online_batches_are_one_padded_forward_equal_to_the_collated_cache(target, capture, samples, store):
+    """fetch_batch on online features runs one right-padded target forward for the whole batch
+    (what keeps a GPU busy) and yields the batch that collating the cached sequences gives."""
+    from eagle_trt.train.features import OnlineFeatures
+    from eagle_trt.train.ttt import collate, fetch_batch
+    online = OnlineFeatures(target, samples, capture)
+    idx = [5, 0, 9, 2]          # mixed lengths: padding inside the batch
+    assert len({len(samples[i].ids) for i in idx}) > 1
+    live, cached = fetch_batch(online, idx), collate([store.get(i) for i in idx])
+    assert live.tokens == cached.tokens
+    for name in ("ids", "argmax", "pred_mask"):
+        assert torch.equal(getattr(live, name), getattr(cached, name)), name
+    for name in ("captured", "normed"):       # fp16-rounded states: equal up to one fp16 step
+        assert torch.allclose(getattr(live, name), getattr(cached, name), rtol=2e-3, atol=2e-3), name
+    assert fetch_batch(store, idx).ids.equal(cached.ids)
+
+
 def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys):
     """python -m eagle_trt.train, as on a GPU (online features, 5 TTT steps), here on the CPU:
     nothing cached on disk but the draft vocabulary, and a train log that records the device,

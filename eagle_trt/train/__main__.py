@@ -167,8 +167,21 @@ def main(argv=None) -> int:
         feat_dir = distill_features_dir(args.distill)
     data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
     info: dict = {"features_dir": str(feat_dir)}
+    online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
+                                           and not (args.features_only or args.extra_features_dir))
+    if online and (args.features_only or args.extra_features_dir):
+        print("error: --features online computes features during training: --features-only and "
+              "--extra-features-dir need --features cache", file=sys.stderr)
+        return 2
     try:
-        distilled = distilled_features(target, capture, args.distill, args.feature_precision) if args.distill else None
+        distilled = None
+        if args.distill and online:      # the committed token ids, features computed per batch
+            dset = DistillSet(args.distill)
+            dset.check_target(target)
+            distilled = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, args.feature_precision)
+            print(f"data: {len(distilled)} distilled sequences, {distilled.tokens} tokens; target features online on {device}")
+        elif args.distill:
+            distilled = distilled_features(target, capture, args.distill, args.feature_precision)
         eval_store = distilled_features(target, capture, args.eval_distill) if args.eval_distill else None
     except (DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -176,17 +189,10 @@ def main(argv=None) -> int:
     if eval_store is not None:
         info["eval"] = {"distill": str(args.eval_distill), "sequences": len(eval_store), "tokens": eval_store.tokens}
 
-    online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
-                                           and not (args.features_only or args.extra_features_dir))
-    if online and (args.features_only or args.extra_features_dir):
-        print("error: --features online computes features during training: --features-only and "
-              "--extra-features-dir need --features cache", file=sys.stderr)
-        return 2
     if distilled is not None:
         store = distilled
         info["distill"] = {"dir": str(args.distill), "digest": set_digest(args.distill),
                            **DistillSet(args.distill).counts()}
-        online = False
     elif online:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")

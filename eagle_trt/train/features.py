@@ -81,31 +81,45 @@ def atomic_json(path: Path, data: dict) -> None:
 
 
 @torch.inference_mode()
-def target_features(model, ids: list[int], sample_id: str = "<sample>", to_host: bool = True,
+def padded_features(model, seqs: list[list[int]], sample_ids: list[str] | None = None,
                     precision: str = "float32") -> dict[str, torch.Tensor]:
-    """One sequence through the target: captured states, normed final state, greedy ids, in the
-    cache's dtypes (fp16 states), on the host or (to_host=False) on the target's device.
-    precision "bfloat16" runs the forward under bf16 autocast (the weights stay float32)."""
+    """Sequences right-padded into one target forward, on the target's device, in the cache's
+    dtypes: ids [B, T] int32, captured [B, T, A] and normed [B, T, H] fp16, argmax [B, T] int32.
+    Rows past a sequence's end are zero; attention is causal, so padding never reaches a real
+    row. precision "bfloat16" runs the forward under bf16 autocast (the weights stay float32)."""
     if precision not in PRECISIONS:
         raise FeatureError(f"feature precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     dev = model.embed_tokens.weight.device
-    x = torch.tensor([ids], dtype=torch.int64, device=dev)
-    T = x.shape[1]
+    B, T = len(seqs), max(len(s) for s in seqs)
+    x = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    for b, s in enumerate(seqs):
+        x[b, :len(s)] = torch.tensor(s, dtype=torch.int64)
+    valid = (torch.arange(T, device=dev)[None] < torch.tensor([len(s) for s in seqs], device=dev)[:, None])
     grabbed: list[torch.Tensor] = []
     handle = model.norm.register_forward_hook(lambda _m, _i, out: grabbed.append(out))
     try:
-        past_k, past_v = model.empty_past(1, device=dev)
+        past_k, past_v = model.empty_past(B, device=dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-            out = model(x, torch.arange(T, device=dev)[None], causal_mask(T, 0, dev), past_k, past_v)
+            out = model(x, torch.arange(T, device=dev)[None].expand(B, T), causal_mask(T, 0, dev), past_k, past_v)
     finally:
         handle.remove()
-    captured, normed = out.captured[0].float(), grabbed[-1][0].float()
+    keep = valid[..., None]
+    captured, normed = out.captured.float() * keep, grabbed[-1].float() * keep
     for name, t in (("captured", captured), ("normed", normed)):
-        peak = float(t.abs().max())
-        if not peak < FP16_MAX:
-            raise FeatureError(f"sample {sample_id}: target {name} state reaches {peak:.4g}, beyond fp16 range")
-    feats = {"ids": x[0].to(torch.int32), "captured": captured.to(torch.float16), "normed": normed.to(torch.float16),
-             "argmax": out.logits[0].argmax(-1).to(torch.int32)}
+        peak = t.abs().amax(dim=(1, 2))
+        if not bool((peak < FP16_MAX).all()):
+            b = int(peak.argmax())
+            sid = sample_ids[b] if sample_ids else f"<sample {b}>"
+            raise FeatureError(f"sample {sid}: target {name} state reaches {float(peak[b]):.4g}, beyond fp16 range")
+    return {"ids": x.to(torch.int32), "captured": captured.to(torch.float16), "normed": normed.to(torch.float16),
+            "argmax": (out.logits.argmax(-1) * valid).to(torch.int32)}
+
+
+def target_features(model, ids: list[int], sample_id: str = "<sample>", to_host: bool = True,
+                    precision: str = "float32") -> dict[str, torch.Tensor]:
+    """One sequence through the target (padded_features at batch 1), on the host or (to_host=False)
+    on the target's device."""
+    feats = {k: v[0] for k, v in padded_features(model, [ids], [sample_id], precision).items()}
     return {k: v.cpu() for k, v in feats.items()} if to_host else feats
 
 
@@ -260,6 +274,17 @@ class OnlineFeatures:
                 out.update(target_features(self.model, s.ids, s.sample_id, to_host=False, precision=self.precision))
         return {name: out[name] for name in names}
 
+    def padded(self, indices: list[int]) -> dict:
+        """A batch's features from one padded target forward (what a GPU needs to be busy), plus
+        the loss masks [B, T] bool; training reads this instead of collating get() per sequence."""
+        samples = [self.samples[i] for i in indices]
+        with torch.inference_mode():
+            out = padded_features(self.model, [s.ids for s in samples], [s.sample_id for s in samples], self.precision)
+        mask = torch.zeros(out["ids"].shape, dtype=torch.bool)
+        for b, s in enumerate(samples):
+            mask[b, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        return out | {"mask": mask.to(out["ids"].device), "tokens": sum(len(s.ids) for s in samples)}
+
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
@@ -309,4 +334,4 @@ def tokens_by_precision(store) -> dict[str, int]:
 
 
 __all__ = ["ConcatStore", "FEATURE_FORMAT", "OnlineFeatures", "FeatureConfig", "FeatureError", "FeatureStore", "PRECISIONS",
-           "extract_features", "target_features", "target_identity", "tokens_by_precision"]
+           "extract_features", "padded_features", "target_features", "target_identity", "tokens_by_precision"]

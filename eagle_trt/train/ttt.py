@@ -18,6 +18,7 @@ used for the soft targets are frozen.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -188,6 +189,19 @@ def collate(items: list[dict]) -> Batch:
     return Batch(ids, captured, normed, argmax, pred_mask, sum(int(it["ids"].shape[0]) for it in items))
 
 
+def fetch_batch(store, indices: list[int]) -> Batch:
+    """The training batch of `indices`: one padded target forward where the store computes
+    features online (OnlineFeatures.padded), else collate() of the cached sequences."""
+    padded = getattr(store, "padded", None)
+    if padded is None:
+        return collate([store.get(i) for i in indices])
+    f = padded(indices)
+    pred_mask = torch.zeros_like(f["mask"])
+    pred_mask[:, :-1] = f["mask"][:, 1:]        # position p predicts token p + 1
+    return Batch(f["ids"].long(), f["captured"].float(), f["normed"].float(), f["argmax"].long(), pred_mask,
+                 f["tokens"])
+
+
 # ----------------------------------------------------------------------------- TTT forward
 
 @dataclass
@@ -298,9 +312,13 @@ def batch_indices(step: int, train_ids: list[int], cfg: TrainConfig) -> list[int
     first = step * cfg.batch_size
     for flat in range(first, first + cfg.batch_size):
         epoch, i = divmod(flat, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
-        out.append(train_ids[int(perm[i])])
+        out.append(train_ids[_epoch_order(cfg.seed, epoch, n)[i]])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
 
 
 def trainable_state(drafter: EagleDrafter) -> dict[str, Tensor]:
@@ -410,6 +428,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     cpu_s = history[-1].get("cpu_s", start_cpu_s) if history else start_cpu_s
     drafter.train()
     start, tokens, window = time.perf_counter(), 0, []
+    wall_base = history[-1].get("wall_s", 0.0) if history else 0.0     # wall seconds of earlier runs (GPU time)
     cpu_mark = time.process_time()
     stop = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
     first_step, updating = step, False
@@ -418,7 +437,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
                 log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
                 break
-            batch = collate([store.get(i) for i in batch_indices(step, train_ids, cfg)])
+            batch = fetch_batch(store, batch_indices(step, train_ids, cfg))
             spent = (time.perf_counter() - start) / time_budget_s if schedule_over_budget and time_budget_s else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg, spent)
@@ -436,7 +455,8 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             seen = (history[-1].get("tokens_seen", 0) if history else 0) + batch.tokens
             now = time.process_time()
             cpu_s, cpu_mark = cpu_s + now - cpu_mark, now
-            entry = {"step": step, "tokens_seen": seen, "cpu_s": round(cpu_s, 6), "loss": float(loss.detach()),
+            entry = {"step": step, "tokens_seen": seen, "cpu_s": round(cpu_s, 6),
+                     "wall_s": round(wall_base + time.perf_counter() - start, 3), "loss": float(loss.detach()),
                      "step_loss": [float(x.detach()) for x in o.losses],
                      "acc": o.accs, "grad_norm": float(gnorm), "lr": opt.param_groups[0]["lr"]}
             history.append(entry)
@@ -470,5 +490,5 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     return TrainResult(history, step, step >= cfg.steps)
 
 
-__all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate",
+__all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate", "fetch_batch",
            "lr_at", "new_drafter", "sample_anchors", "train", "trainable_state", "ttt_forward", "autocast", "INITS", "init_from_target_layer"]

