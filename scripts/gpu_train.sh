@@ -44,6 +44,10 @@ target.model.to("cuda" if torch.cuda.is_available() else "cpu")
 distilled_features(target, CaptureLayers.eagle_default(target.config.num_hidden_layers), Path("data/distill/smollm2-val"))
 EOF
 
+# where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
+$PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 > "$RESULTS/profile_train_step.txt" 2>&1 || true
+cat "$RESULTS/profile_train_step.txt"
+
 for variant in eagle3.1 eagle3; do
   $PY -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUNS/$variant" \
     --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val --features online \

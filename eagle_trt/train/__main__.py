@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             return 2
         items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
         counts = count_tokens(*zip(*[(it["ids"], it["mask"]) for it in items]), V)
-        used = start.to_target_ids(torch.arange(start.cfg.draft_vocab_size)).cpu()
+        used = start.to_target_ids(torch.arange(start.cfg.draft_vocab_size, device=start.d2t.device)).cpu()
         vocab = DraftVocab.from_used(used, V, float(counts[used].sum()) / max(int(counts.sum()), 1))
         vocab_path = args.init_from / "model.safetensors"
     elif vocab_path.is_file():
