@@ -1,7 +1,7 @@
 """Peak resident memory of `python -m eagle_trt.build` against the target's weight bytes, on a
 synthetic real-size checkpoint (issue 21: an 8B build must fit a 32 GB host).
 
-    python scripts/build_memory.py [--out ~/build-memory] [--precisions fp32,fp16,fp8] [--threads 2]
+    python scripts/build_memory.py [--out ~/build-memory] [--precisions fp32,fp16,fp8,fp8-fp16] [--threads 2]
 
 Writes a random Llama with `transformers` (default: the 0.83 B shape of issue 21, hidden 2048,
 12 layers, GQA 32 / 8, intermediate 8192, tied embeddings, SmolLM2's tokenizer, bf16
@@ -129,9 +129,12 @@ def weight_bytes(folder: Path) -> tuple[int, int]:
 
 
 def build_config(target: Path, precision: str, out: Path) -> dict:
-    fmt = {"format": precision} if precision != "fp8" else {"format": "fp8", "base": "fp32"}
+    """precision: fp32, fp16, fp8 (an FP8 target on an fp32 base) or fp8-fp16 (on an fp16 base,
+    what the 8B configs build)."""
+    fmt, base = precision.split("-") if "-" in precision else (precision, "fp32")
+    target_fmt = {"format": fmt, "base": base} if fmt == "fp8" else {"format": fmt}
     return {"name": f"memory-{precision}", "target": {"source": str(target)},
-            "precision": {"target": fmt, "drafter": {"format": "fp32" if precision != "fp16" else "fp16"}},
+            "precision": {"target": target_fmt, "drafter": {"format": "fp16" if "fp16" in precision else "fp32"}},
             "calibration": {"prompts": 4}, "parity": {"prompts": 1}, "engines": {"enabled": False},
             "outputs": {"dir": str(out / f"build-{precision}")}}
 
@@ -139,7 +142,8 @@ def build_config(target: Path, precision: str, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path.home() / "build-memory")
-    p.add_argument("--precisions", default="fp32,fp16,fp8")
+    p.add_argument("--precisions", default="fp32,fp16,fp8,fp8-fp16",
+                   help="comma-separated: fp32, fp16, fp8 (fp32 base), fp8-fp16 (fp16 base)")
     p.add_argument("--threads", type=int, default=2, help="OMP / ONNX Runtime threads of each build")
     args = p.parse_args(argv)
     import os

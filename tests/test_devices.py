@@ -164,3 +164,40 @@ def test_build_calibrates_and_checks_parity_on_cuda(tmp_path):
     assert m.data["status"] == "ok"
     report = json.loads((tmp_path / "out" / "parity" / "report.json").read_text())
     assert report["passed"] and report["quantized"]["target"]["passed"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_training_with_online_features_resumes_on_its_device(tiny, device, tmp_path):
+    """What the first GPU leg (scripts/gpu_train.sh) runs: online features, one padded target
+    forward per batch on the device, and a run stopped and resumed (its saved state loads on the
+    CPU) follows the uninterrupted run's losses."""
+    import copy
+
+    from eagle_trt.train.data import Sample
+    from eagle_trt.train.features import OnlineFeatures
+    from eagle_trt.train.ttt import TrainConfig, new_drafter, train
+    from eagle_trt.train.vocab import build_draft_vocab, count_tokens
+    target, _, prompts = tiny
+    target = copy.deepcopy(target)
+    target.model.to(device)
+    samples = [Sample(f"s{i}", ids, [0] * 4 + [1] * (len(ids) - 4)) for i, ids in enumerate(prompts * 3)]
+    store = OnlineFeatures(target, samples, target.model.capture)
+    counts = count_tokens([torch.tensor(s.ids) for s in samples], [torch.tensor(s.loss_mask) for s in samples],
+                          target.config.vocab_size)
+    vocab = build_draft_vocab(counts, 64)
+    m = target.model
+    head = m.lm_head.weight.detach()[vocab.used].clone()
+    cfg = TrainConfig(steps=6, batch_size=3, lr=3e-3, warmup_steps=2, log_every=100, save_every=100, ttt_steps=3)
+
+    def run(out, **kw):
+        torch.manual_seed(0)
+        drafter = new_drafter(target.config, "eagle3.1", vocab, m.capture, m.embed_tokens.weight.detach().cpu(),
+                              head.cpu(), m.norm.weight.detach().cpu()).to(device)
+        return train(drafter, store, head, cfg, out, log=lambda _: None, **kw).log
+
+    whole = run(tmp_path / "a")
+    run(tmp_path / "b", stop_at=3)
+    resumed = run(tmp_path / "b", resume=True)
+    assert [e["step"] for e in resumed] == list(range(1, 7))
+    assert all("wall_s" in e for e in resumed)
+    assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in whole], rel=1e-4)

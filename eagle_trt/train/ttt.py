@@ -398,7 +398,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             if state["config"].get(key, getattr(TrainConfig(), key)) != getattr(cfg, key):
                 raise TrainError(f"{state_path}: saved run has {key}={state['config'].get(key)!r}, this run "
                                  f"{getattr(cfg, key)!r}; resume with the same options or use another --out")
-        if not torch.equal(state["model"]["d2t"], drafter.d2t):
+        if not torch.equal(state["model"]["d2t"], drafter.d2t.cpu()):     # the state is loaded on the CPU
             raise TrainError(f"{state_path}: saved run used another draft vocabulary")
         drafter.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["optimizer"])
