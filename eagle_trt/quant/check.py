@@ -38,18 +38,26 @@ class LayerParity:
 
 
 def _quantizer(name: str, producer: dict) -> onnx.NodeProto | None:
-    """Walk up a MatMul input through DequantizeLinear nodes to the activation quantizer."""
+    """Walk up a MatMul input through DequantizeLinear nodes (and a float16 graph's Cast back
+    from float32) to the activation quantizer."""
     node = producer.get(name)
-    while node is not None and node.op_type == "DequantizeLinear":
+    while node is not None and node.op_type in ("DequantizeLinear", "Cast"):
         node = producer.get(node.input[0])
     if node is not None and node.op_type in ("QuantizeLinear", "TRT_FP4DynamicQuantize"):
         return node
     return None
 
 
+def _float16_graph(node: onnx.NodeProto, producer: dict) -> bool:
+    """Whether the quantized MatMul `node` reads its dequantized input through a Cast to float16."""
+    first = producer.get(node.input[0])
+    return first is not None and first.op_type == "Cast" and helper.get_attribute_value(first.attribute[0]) == \
+        TensorProto.FLOAT16
+
+
 def quantized_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.NodeProto]]:
     """(MatMul node, its activation quantizer) for every quantized MatMul; the quantizer's
-    first input is the float activation, its second the scale (in the graph's float type)."""
+    first input is the float32 activation, its second the float32 scale."""
     producer = {o: n for n in model.graph.node for o in n.output}
     out = []
     for node in model.graph.node:
@@ -70,13 +78,18 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
     pairs = quantized_matmuls(model)
     if not pairs:
         raise QuantError(f"{graph}: no quantized MatMul found")
-    inits = {i.name: i for i in model.graph.initializer}
-    elem = inits[pairs[0][1].input[1]].data_type if pairs[0][1].input[1] in inits else TensorProto.FLOAT
-    names = sorted({n for node, q in pairs for n in (q.input[0], node.output[0])})
+    producer = {o: n for n in model.graph.node for o in n.output}
+    # The quantizers' float32 inputs and the MatMuls' outputs (in the graph's float type). Asking
+    # for the quantizer's own input matters in a float16 graph: ONNX Runtime's CPU otherwise
+    # elides the float32 -> float16 -> float32 casts around ops it runs in float32 and quantizes
+    # unrounded values, which the graph (and TensorRT) would round to float16 first.
+    out_elem = TensorProto.FLOAT16 if _float16_graph(pairs[0][0], producer) else TensorProto.FLOAT
+    elems = {q.input[0]: TensorProto.FLOAT for _, q in pairs} | {node.output[0]: out_elem for node, _ in pairs}
+    names = sorted(elems)
     existing = {o.name for o in model.graph.output}
     for name in names:
         if name not in existing:
-            model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+            model.graph.output.append(helper.make_tensor_value_info(name, elems[name], None))
     if is_nvfp4_graph(model):
         load_external_data_for_model(model, str(Path(graph).parent))
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
@@ -90,8 +103,10 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
         path = module_for_node(node.name, layers)
         if path is None:
             raise QuantError(f"{graph}: quantized node '{node.name}' has no QuantLinear in the reference model")
+        layer = layers[path]
+        x = torch.from_numpy(values[source]).to(layer.input_scale.device)     # float32, as the quantizer read it
         with torch.no_grad():   # on the reference's device; the graph adds the bias after its MatMul
-            expected = layers[path](torch.from_numpy(values[source]).to(layers[path].input_scale.device), bias=False).cpu()
+            expected = layer(x, bias=False).cpu()
         got = torch.from_numpy(values[node.output[0]])
         diff = (got - expected).float()
         denom = float(expected.norm()) or 1.0

@@ -44,9 +44,12 @@ from .formats import NVFP4_BLOCK, fp8_scale, fp8_weight, nvfp4_global_scale, nvf
 NVFP4_OPSET = 23
 NVFP4_IR_VERSION = 11          # FLOAT4E2M1 arrived with IR version 11
 TRT_DOMAIN = "trt"
-# Float32 graphs only: the fake-quant reference computes in float32, and a float16 graph would
-# quantize float16 quotients (and ModelOpt keeps NVFP4 scales in float32 behind a Cast).
-FLOAT_TYPES = {TensorProto.FLOAT: torch.float32}
+# The graph's float type. Quantization arithmetic is float32 in either: a float16 graph's
+# quantizers read float32 casts of its activations and their dequantized outputs are cast back
+# (as ModelOpt keeps NVFP4 scales in float32 behind a Cast), so the scales keep float32's range
+# (a weight's FP8 scale can fall below float16's normal range) and the quotients are the
+# float32 fake-quant reference's.
+FLOAT_TYPES = {TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16}
 _COPY_SUFFIX = re.compile(r"_\d+$")
 
 
@@ -169,7 +172,7 @@ class _Rewriter:
         if key in self.weights:
             return self.weights[key]
         init = self.inits[init_name]
-        dtype = FLOAT_TYPES[init.data_type]
+        graph_dtype, dtype = FLOAT_TYPES[init.data_type], torch.float32
         w = torch.from_numpy(numpy_helper.to_array(init, self.base_dir).copy()).float()
         w = w if transposed else w.T                                        # [out, in], as nn.Linear
         dims = [w.shape[1], w.shape[0]]                                      # the MatMul's [in, out]
@@ -196,8 +199,19 @@ class _Rewriter:
                                  name=f"{base}_DequantizeLinear"),
                 helper.make_node("DequantizeLinear", [qname, f"{base}_block_scale"], [out],
                                  name=f"{base}_DequantizeLinear_1", axis=0, block_size=NVFP4_BLOCK)]
+        out = self._cast(self.weight_nodes, out, graph_dtype)
         self.weights[key] = out
         return out
+
+    @staticmethod
+    def _cast(nodes: list, name: str, dtype: torch.dtype) -> str:
+        """A float32 dequantized output `name` in the graph's `dtype` (a Cast appended to `nodes`
+        in a float16 graph)."""
+        if dtype == torch.float32:
+            return name
+        nodes.append(helper.make_node("Cast", [name], [f"{name}_fp16"], name=f"{name}_CastFloat16",
+                                      to=TensorProto.FLOAT16))
+        return f"{name}_fp16"
 
     def activation(self, index: int, node: onnx.NodeProto, amax: float, dtype: torch.dtype) -> str:
         """Quantize the MatMul's input; one quantizer serves every MatMul reading the same tensor
@@ -209,6 +223,11 @@ class _Rewriter:
         base = f"{node.name.rsplit('/', 1)[0]}/input_quantizer"
         out = f"{base}/dq_output"
         nodes = self.before.setdefault(index, [])
+        graph_dtype, dtype = dtype, torch.float32
+        if graph_dtype != torch.float32:
+            nodes.append(helper.make_node("Cast", [x], [f"{base}/x_float32"], name=f"{base}/CastFloat32",
+                                          to=TensorProto.FLOAT))
+            x = f"{base}/x_float32"
         if self.cfg.format == "fp8":
             sname = self._init(f"{base}/scale", self._float(fp8_scale(amax), dtype))
             zname = self._init(f"{base}/zero_point", elem=TensorProto.FLOAT8E4M3FN, dims=[], raw=b"\x00")
@@ -225,6 +244,7 @@ class _Rewriter:
                                        name=f"{base}/DequantizeLinear"),
                       helper.make_node("DequantizeLinear", [f"{base}/x_fp4", f"{base}/block_scale"], [out],
                                        name=f"{base}/DequantizeLinear_1", axis=-1, block_size=NVFP4_BLOCK)]
+        out = self._cast(nodes, out, graph_dtype)
         self.acts[key] = out
         return out
 
@@ -286,8 +306,8 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
         init = rw.inits[init_name]
         if init.data_type not in FLOAT_TYPES:
             raise QuantError(f"node '{node.name}': weight '{init_name}' has type "
-                             f"{TensorProto.DataType.Name(init.data_type)}; only float32 graphs are quantized "
-                             f"(export float32: TensorRT's strongly typed build follows the Q/DQ types)")
+                             f"{TensorProto.DataType.Name(init.data_type)}; only float32 and float16 graphs are "
+                             f"quantized (precision base: fp32 or fp16)")
         path = module_for_node(node.name, known) or _guess_path(node.name)
         seen.add(path)
         reason = cfg.skip_reason(path, int(init.dims[1] if transposed else init.dims[0]))

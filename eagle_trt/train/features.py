@@ -91,9 +91,10 @@ def padded_features(model, seqs: list[list[int]], sample_ids: list[str] | None =
         raise FeatureError(f"feature precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     dev = model.embed_tokens.weight.device
     B, T = len(seqs), max(len(s) for s in seqs)
-    x = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    x = torch.zeros(B, T, dtype=torch.int64)
     for b, s in enumerate(seqs):
         x[b, :len(s)] = torch.tensor(s, dtype=torch.int64)
+    x = x.to(dev)                       # one host-to-device copy for the batch
     valid = (torch.arange(T, device=dev)[None] < torch.tensor([len(s) for s in seqs], device=dev)[:, None])
     grabbed: list[torch.Tensor] = []
     handle = model.norm.register_forward_hook(lambda _m, _i, out: grabbed.append(out))
