@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -344,3 +345,32 @@ def test_external_data_is_one_named_file_per_graph_and_the_repository_travels(ti
     done = run_cli("--config", str(write_config(tmp_path / "tiny.yaml", tiny["data"])), "--output", str(out),
                    "--stages", "parity", "--quiet", env=dict(ENV, EAGLE_TRT_EXTERNAL_DATA_BYTES="0"))
     assert_one_line_error(done, "export/target.onnx.data changed since the export stage wrote it")
+
+
+def test_float16_graphs_with_external_weights_are_checked_without_float32_copies(tmp_path, monkeypatch):
+    """An FP8 target on an fp16 base with every weight outside its graph: parity runs the float16
+    graph with its weights fed as memory maps of the data file (ONNX Runtime would otherwise
+    hold float32 copies of float16 initializers), gets what ONNX Runtime's own loading gets, and
+    the build passes."""
+    import onnxruntime as ort
+    from polygraphy.json import load_json
+
+    from eagle_trt.parity import WeightsFed, parity_session
+    from test_build_support import tiny_config, write_tiny_target
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
+    data = tiny_config(write_tiny_target(tmp_path / "t"), precision={"target": {"format": "fp8", "base": "fp16"},
+                                                                     "drafter": {"format": "fp16"}})
+    out = tmp_path / "out"
+    assert build(config_from_dict(data, "tiny.yaml"), out, log=None).data["status"] == "ok"
+    assert json.loads((out / "parity" / "report.json").read_text())["passed"]
+    graph = out / "export" / "target.onnx"
+    fed = parity_session(graph, "float16")
+    assert isinstance(fed, WeightsFed) and len(fed.weights) > 10
+    assert all(isinstance(w, np.memmap) and w.dtype == np.float16 for w in fed.weights.values())
+    assert not {i.name for i in fed.get_inputs()} & set(fed.weights)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    feed = load_json(str(out / "parity" / "bundles" / "target.inputs.json"))[1]
+    for a, b in zip(fed.run(None, feed), plain.run(None, feed)):
+        np.testing.assert_array_equal(a, b)
