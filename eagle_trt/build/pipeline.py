@@ -311,7 +311,7 @@ class Build:
         def run(tmp: Path) -> dict:
             from .quantize import quantize_graphs
             graphs = {g: self.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
-            return quantize_graphs(self.models_on(self.device), graphs, cfg, tmp, self.log)
+            return quantize_graphs(self.models_on(self.device), graphs, cfg, tmp, self.log, release=self.release_models)
         if skip is None:
             self.need("quantize", selected, "export")
         return self.run("quantize", selected, key, run, skip)

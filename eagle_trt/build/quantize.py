@@ -16,10 +16,13 @@ def quant_config(p: ModelPrecision, source: str):
     return QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip), source=source)
 
 
-def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log=None) -> dict:
+def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log=None,
+                    release=None) -> dict:
     """Write `<model>.<format>.onnx` and `<model>.amax.json` into `out` for each model whose
     precision is fp8 / nvfp4; returns {model: summary}. `graphs` maps 'target' /
-    'drafter_tree' to the float graphs of the export stage."""
+    'drafter_tree' to the float graphs of the export stage. Every model is calibrated first;
+    then `release()` (when given) drops the PyTorch models, so the graph rewrites, which read
+    the float graphs' weights one by one, never hold them beside a real-size model."""
     from ..quant import (
         calibrate_drafter,
         calibrate_target,
@@ -34,9 +37,8 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     prompts = calibration_prompts(models.tokenizer, cfg.calibration.prompts, cfg.calibration.max_tokens,
                                   Path(cfg.calibration.path) if cfg.calibration.path else None)
     ids = [p for _, p in prompts]
-    summaries = {}
+    calibrated = {}
     for name, graph in todo:
-        precision = getattr(cfg.precision, name)
         prompt_done = Progress(f"calibrate {name}", len(ids), log).step   # one line per prompt, with an ETA
         if name == "target":
             module = models.target.model
@@ -44,11 +46,18 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
         else:
             module = models.drafter
             amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape, prompt_done)
-        calib = save_calibration(out / f"{name}.amax.json", amax)
+        calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), linear_paths(module))
         progress.step(f"calibrated {name} on {len(ids)} prompts")
+    del models, module
+    if release is not None:
+        release()
+    summaries = {}
+    for name, graph in todo:
+        precision = getattr(cfg.precision, name)
+        amax, calib, paths = calibrated[name]
         dst = out / f"{graph}.{precision.format}.onnx"
         summary = quantize_onnx(graphs[graph], dst, quant_config(precision, f"{cfg.source}: precision.{name}"),
-                                amax, linear_paths(module), source=str(calib))
+                                amax, paths, source=str(calib))
         progress.step(f"{dst.name}: {len(summary.quantized)} MatMuls quantized, {len(summary.skipped)} kept")
         summaries[name] = {"graph": dst.name, "calibration": calib.name, "format": precision.format,
                            "prompts": len(ids), "quantized": len(summary.quantized),
