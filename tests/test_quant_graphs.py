@@ -413,3 +413,25 @@ def test_a_base_model_without_chat_template_calibrates_on_plain_text(tmp_path):
     from eagle_trt.train.data import first_turns
     for (sid, ids), (_, text, _) in zip(plain, first_turns(tok, "val", 3, 400, min_tokens=2)):
         assert ids == tok(text, add_special_tokens=False)["input_ids"] and len(ids) < len(dict(chat)[sid])
+
+
+def test_layer_check_dequantizes_each_weight_where_it_is_used(setup):
+    """The layer check's probe moves each weight's DequantizeLinear to just before its first
+    MatMul and makes it wait for that MatMul's input (ONNX Runtime would otherwise dequantize
+    every weight first and hold them all); the probe stays a valid, topologically sorted graph."""
+    from eagle_trt.quant.check import _dequantize_weights_where_used
+    for name in ("target", "drafter"):
+        model = onnx.load(str(setup["graphs"][name, "fp8"]), load_external_data=False)
+        _dequantize_weights_where_used(model)
+        onnx.checker.check_model(model)
+        nodes = list(model.graph.node)
+        at = {o: i for i, n in enumerate(nodes) for o in n.output}
+        checked, seen = 0, set()
+        for i, n in enumerate(nodes):
+            dq = nodes[at[n.input[1]]] if n.op_type == "MatMul" and n.input[1] in at else None
+            if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] not in at \
+                    and dq.output[0] not in seen:          # a stored weight, at its first MatMul
+                assert at[n.input[0]] < at[dq.output[0]] < i
+                seen.add(dq.output[0])
+                checked += 1
+        assert checked >= 6 * 7 if name == "target" else checked > 0

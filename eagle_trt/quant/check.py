@@ -68,6 +68,48 @@ def quantized_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx
     return out
 
 
+def _dequantize_weights_where_used(model: onnx.ModelProto) -> None:
+    """Make each weight's DequantizeLinear wait for its first MatMul's input. Reading only
+    initializers, they would all run first in ONNX Runtime's order and hold every float weight
+    at once (a real-size target's float copy); here each weight's scale is multiplied by an
+    exact 1 derived from that input's shape, and the nodes are moved to just before the MatMul,
+    so each weight is dequantized when it is used. The values are unchanged."""
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    index = {id(n): i for i, n in enumerate(nodes)}
+    moved: dict[int, list[onnx.NodeProto]] = {}     # MatMul index -> weight nodes to run before it
+    taken = set()
+    for i, node in enumerate(nodes):
+        if node.op_type != "MatMul":
+            continue
+        chain, name = [], node.input[1]
+        while (n := producer.get(name)) is not None and n.op_type in ("Cast", "DequantizeLinear"):
+            chain.append(n)
+            name = n.input[0]
+        dqs = [n for n in chain if n.op_type == "DequantizeLinear"]
+        if not dqs or any(id(n) in taken for n in chain):
+            continue                                   # not a weight DQ, or moved for an earlier MatMul
+        first = dqs[-1]                                # the one reading the stored weight's scale
+        one = f"{first.name}/dep_one"
+        x = node.input[0]
+        extra = [helper.make_node("Size", [x], [f"{one}_size"], name=f"{one}_Size"),
+                 helper.make_node("Cast", [f"{one}_size"], [f"{one}_float"], name=f"{one}_Cast", to=TensorProto.FLOAT),
+                 helper.make_node("Div", [f"{one}_float", f"{one}_float"], [one], name=f"{one}_Div"),
+                 helper.make_node("Mul", [first.input[1], one], [f"{one}_scale"], name=f"{one}_Mul")]
+        first.input[1] = f"{one}_scale"
+        taken.update(id(n) for n in chain)
+        moved[i] = extra + sorted(chain, key=lambda n: index[id(n)])
+    if not moved:
+        return
+    order = []
+    for i, node in enumerate(nodes):
+        if id(node) in taken:
+            continue
+        order += moved.get(i, []) + [node]
+    del model.graph.node[:]
+    model.graph.node.extend(order)
+
+
 def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray], threads: int = 1
                  ) -> list[LayerParity]:
     """Run the quantized graph once (ONNX Runtime as fp8_session runs it for FP8, onnx.reference
@@ -94,6 +136,7 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
         load_external_data_for_model(model, str(Path(graph).parent))
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
     else:   # from a file written like the build's (its weights copied there one by one, not loaded)
+        _dequantize_weights_where_used(model)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
             probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent)[0]
             values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
