@@ -279,8 +279,7 @@ class OnlineFeatures:
         """A batch's features from one padded target forward (what a GPU needs to be busy), plus
         the loss masks [B, T] bool; training reads this instead of collating get() per sequence."""
         samples = [self.samples[i] for i in indices]
-        with torch.inference_mode():
-            out = padded_features(self.model, [s.ids for s in samples], [s.sample_id for s in samples], self.precision)
+        out = padded_features(self.model, [s.ids for s in samples], [s.sample_id for s in samples], self.precision)
         mask = torch.zeros(out["ids"].shape, dtype=torch.bool)
         for b, s in enumerate(samples):
             mask[b, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
