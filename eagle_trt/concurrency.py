@@ -131,7 +131,7 @@ def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_t
     return {"streams": streams, "mode": mode, "requests": len(solo), "tokens": sum(len(x.tokens) for x in runs[0][0]),
             "seconds": round(statistics.median(s for _, _, s, _ in runs), 3),
             "host_ms_per_iteration": statistics.median(hosts) if hosts else None,
-            "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": [round(r, 2) for r in rates],
+            "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": list(rates),
             "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
             "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
             "mean_accept_length": statistics.fmean(a for x in results for a in x.accept_lengths or [1]),
