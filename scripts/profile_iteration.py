@@ -1,7 +1,10 @@
 """Where the host time of a speculative iteration goes: the ONNX Runtime loop on the exported
-graphs, batch 1, under cProfile, on MT-bench prompts.
+graphs, under cProfile, on MT-bench prompts; batch 1, or `--streams N`: N sequences at a time,
+continuously batched with the cost model (`bench --concurrency`'s speculative-batched mode,
+after the same warm-up on held-out prompts).
 
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
+    python scripts/profile_iteration.py --streams 8 --prompts 16
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
 profiler), then the host time of each step of the loop (timers around its methods), then the
@@ -22,17 +25,26 @@ from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
 from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.backend import DrafterBackend, TargetBackend
-from eagle_trt.runtime.decoder import Sequence, SpeculativeDecoder
+from eagle_trt.runtime.cost import CostModel
+from eagle_trt.runtime.decoder import Request, Sequence, SpeculativeDecoder
 from eagle_trt.runtime.kv_cache import KVCache
-from eagle_trt.runtime.timing import OrtDecoding, graph_seconds
+from eagle_trt.runtime.timing import OrtDecoding, decoding_threads, graph_seconds
 
 
-def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float, int]:
-    """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the prompts."""
+def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched: SpeculativeDecoder | None = None,
+        streams: int = 1) -> tuple[float, float, int]:
+    """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the
+    prompts: one at a time, or `streams` at a time through `batched`."""
     graph0 = graph_seconds(ort.target, ort.drafter)
     start, iterations = time.perf_counter(), 0
-    for ids in prompts:
-        iterations += ort.speculative(ids, max_new_tokens).drafter_calls
+    if batched is not None:
+        batched.verified.clear()
+        with decoding_threads():
+            batched.generate_batch([Request(ids, max_new_tokens) for ids in prompts], streams)
+        iterations = len(batched.verified)
+    else:
+        for ids in prompts:
+            iterations += ort.speculative(ids, max_new_tokens).drafter_calls
     wall = time.perf_counter() - start
     return wall, graph_seconds(ort.target, ort.drafter) - graph0, iterations
 
@@ -44,7 +56,8 @@ PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
           (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV commit"),
           (TargetBackend, "_forward", "  verification (acceptance in the graph): masks, bind, outputs"),
           (KVCache, "commit", "  KV commits: accepted rows copied into place (the drafter's inside drafting)"),
-          (Sequence, "extend", "  streaming and stop checks")]
+          (Sequence, "extend", "  streaming and stop checks"),
+          (SpeculativeDecoder, "add", "joins, outside the step: checks, prefill, first token")]
 
 
 @contextmanager
@@ -78,28 +91,39 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per session")
+    p.add_argument("--streams", type=int, default=1, help="sequences decoded at a time (> 1: batched, with the cost model)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args(argv)
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
     graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree"))
-    prompts = real_prompt_ids(models, args.prompts + 1)
+    held_out = 2 * args.streams if args.streams > 1 else 1
+    prompts = real_prompt_ids(models, args.prompts + held_out)
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
                            models.target.config.vocab_size, threads=args.threads)
     ort.warm_up(prompts[0])
-    wall, graph, iterations = run(ort, prompts[1:], args.max_new_tokens)
+    batched = None
+    if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
+        batched = SpeculativeDecoder(ort.target, ort.drafter, models.eos_ids, models.target.config.vocab_size,
+                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
+        run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
+    measured = prompts[held_out:]
+    wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
+    if batched is not None:
+        print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
+              f"{sum(batched.verified) / len(batched.verified):.2f} (the cost model's choice)")
     print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "
           f"graph calls {1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms")
     with phase_timers(ort) as spent:
-        run(ort, prompts[1:], args.max_new_tokens)
+        run(ort, measured, args.max_new_tokens, batched, args.streams)
     print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")
     for label, seconds in spent.items():
         print(f"  {label:62s} {1e3 * seconds / iterations:6.3f}")
     profiler = cProfile.Profile()
     profiler.enable()
-    run(ort, prompts[1:], args.max_new_tokens)
+    run(ort, measured, args.max_new_tokens, batched, args.streams)
     profiler.disable()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")

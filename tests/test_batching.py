@@ -47,6 +47,29 @@ def test_kv_cache_slots_compaction_and_moves():
     assert cache.k[0, 1, 1, :7, 0].tolist() == [-4, -5, -6, -4, -5, -4, -6] and cache.lengths == [1, 7]
 
 
+def test_kv_cache_relayouts_reuse_storage_and_keep_rows():
+    cache = KVCache(2, 2, 1, capacity=4)
+    for b in range(5):                                             # slots double: 1 -> 2 -> 4 -> 8
+        cache.add()
+        cache.stage(range(b, b + 1), 2)
+        cache.write([torch.full((1, 2, 2, 1), b + 1.0)] * 2, [torch.full((1, 2, 2, 1), -b - 1.0)] * 2)
+        cache.commit([[0, 1]])
+    assert cache.k.shape[1] == 8 and cache.lengths == [2] * 5
+    cache.stage(range(4, 5), 3 * CHUNK)                            # more rows: a larger layout, zeroed
+    grown = cache.storage[0]
+    assert cache.capacity == 4 * CHUNK and grown.numel() >= cache.k.numel()
+    assert cache.k[:, :5, :, :2, 0].tolist() == [[[[b + 1.0] * 2] * 2 for b in range(5)]] * 2
+    assert cache.v[1, 3, 0, :3, 0].tolist() == [-4, -4, 0]
+    cache.remove(0)                                                # no more rows needed: the layout shrinks in place
+    cache.remove(0)
+    cache.remove(0)
+    assert cache.capacity == CHUNK and cache.storage[0] is grown
+    assert cache.lengths == [2, 2] and cache.k[0, :2, 1, :2, 0].tolist() == [[3, 3], [2, 2]]   # each removal moved the last in
+    cache.clear()                                                  # a fresh start keeps the storage
+    assert cache.storage[0] is grown and cache.lengths == [] and cache.k.shape[1] == 8
+    assert torch.isfinite(cache.storage[0]).all() and torch.isfinite(cache.storage[1]).all()
+
+
 def test_call_costs_interpolate_and_extend():
     costs = CallCosts()
     for rows, seconds in ((1, 0.030), (5, 0.036), (100, 0.15)):

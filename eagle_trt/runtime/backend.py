@@ -35,7 +35,13 @@ class _Batched:
     cache: KVCache | None = None
 
     def _new_cache(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
-        self.cache = KVCache(num_layers, kv_heads, head_dim, capacity, dtype, device)
+        """An empty cache: the last one cleared where it has this layout (its storage reused), else a new one."""
+        c = self.cache
+        if (c is not None and c.layout == (num_layers, kv_heads, head_dim) and c.dtype == dtype
+                and torch.device(c.device) == torch.device(device)):
+            c.clear(capacity)
+        else:
+            self.cache = KVCache(num_layers, kv_heads, head_dim, capacity, dtype, device)
 
     def add_sequence(self, rows: int = 0) -> int:
         """A new sequence in the next free slot (room for `rows` rows); returns the slot."""

@@ -282,8 +282,9 @@ class SpeculativeDecoder:
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))
-            s.pending_states.append(captured[i, path])
-            s.pending_ids = s.pending_ids + new
+            if self.drafter is not None:     # what the drafter encodes when the batch next drafts
+                s.pending_states.append(captured[i, path])
+                s.pending_ids = s.pending_ids + new
             s.extend(new, self.eos_ids)
             if s.stop:
                 finished.append(s)

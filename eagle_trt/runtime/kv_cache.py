@@ -8,8 +8,18 @@ verification `commit(rows)` copies each sequence's accepted rows straight into p
 indexed copy per cache, and advances its length (the rows a call rejects are never copied).
 Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
-binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`)."""
+binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`).
+
+A change of layout (more slots, more or fewer rows) re-lays the cache out in the storage it
+already has, copying only the committed rows, while that storage is big enough; only a larger
+layout than the storage holds allocates (zeroed, half again as large as the last). Allocating and zeroing a
+new cache at each change was most of the host work of a continuously batched run (8 streams:
+every join, every chunk of rows and every fresh start copied the whole cache). Rows past a
+sequence's length are masked but must be finite (a masked probability 0 times NaN is NaN):
+they hold zeros or rows the graphs wrote earlier, never uninitialised memory."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -23,20 +33,35 @@ class KVCache:
         self.layout = (num_layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.k = self.v = None
-        self._allocate(max(batch, 1), max(capacity, 1))
+        self.storage: tuple[Tensor, Tensor] | None = None   # flat K / V storage the layouts are views of
         self.lengths: list[int] = []
+        self._allocate(max(batch, 1), max(capacity, 1))
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
         self.new_rows: tuple[Tensor, Tensor] | None = None   # the last forward's K / V rows [L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
+        """Lay the cache out as [L, batch, Hkv, rows, D], keeping every committed row."""
         L, H, D = self.layout
-        k = torch.zeros((L, batch, H, rows, D), dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        if self.k is not None:
-            b, s = min(batch, self.k.shape[1]), min(rows, self.k.shape[3])
-            k[:, :b, :, :s], v[:, :b, :, :s] = self.k[:, :b, :, :s], self.v[:, :b, :, :s]
-        self.k, self.v = k, v
+        shape = (L, batch, H, rows, D)
+        b, s = min(batch, len(self.lengths)), min(rows, max(self.lengths, default=0))
+        kept = (self.k[:, :b, :, :s].clone(), self.v[:, :b, :, :s].clone()) if b and s else None
+        size = math.prod(shape)
+        if self.storage is None or self.storage[0].numel() < size:
+            if self.storage is not None:     # half again: the next chunks of rows fit without another one
+                size = max(size, self.storage[0].numel() * 3 // 2)
+                self.storage = None          # let the old storage go before the new one is made
+            self.storage = tuple(torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(2))
+        self.k, self.v = (flat[:math.prod(shape)].view(shape) for flat in self.storage)
+        if kept is not None:
+            self.k[:, :b, :, :s], self.v[:, :b, :, :s] = kept
+
+    def clear(self, capacity: int = CHUNK) -> None:
+        """Drop every sequence; the storage stays for the next ones (no copy, no allocation
+        while it is big enough)."""
+        self.lengths = []
+        self.staged, self.staged_slots, self.new_rows = 0, range(0), None
+        self._allocate(self.k.shape[1], max(capacity, 1))
 
     @property
     def capacity(self) -> int:
@@ -48,8 +73,8 @@ class KVCache:
 
     def add(self, rows: int = 0) -> int:
         """A new empty sequence in the next slot, with room for `rows` rows; returns its slot."""
-        if self.batch == self.k.shape[1]:
-            self._allocate(self.batch + 1, self.capacity)
+        if self.batch == self.k.shape[1]:     # slots double: a ramp-up of B sequences re-lays out log2(B) times
+            self._allocate(2 * self.batch, self.capacity)
         self.lengths.append(0)
         self.reserve(range(self.batch - 1, self.batch), rows)
         return self.batch - 1
@@ -104,9 +129,10 @@ class KVCache:
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new_k, new_v = self.new_rows
-        if len(slots) == 1 and len(rows[0]) <= 4:   # one sequence, a few rows: slice copies, no index tensors
-            b, at, seq = slots.start, self.lengths[slots.start], rows[0]
-            for j, r in _runs(seq):                  # consecutive rows go in one copy
+        runs = _runs(rows[0]) if len(slots) == 1 else []
+        if 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
+            b, at = slots.start, self.lengths[slots.start]
+            for j, r in runs:                        # consecutive rows go in one copy
                 n = len(r)
                 self.k[:, b, :, at + j:at + j + n] = new_k[:, 0, :, r[0]:r[0] + n]
                 self.v[:, b, :, at + j:at + j + n] = new_v[:, 0, :, r[0]:r[0] + n]

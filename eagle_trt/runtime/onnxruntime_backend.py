@@ -125,7 +125,7 @@ class Bindings:
     every cache layer (4L for the target, 4 for the drafter) and the call's other inputs and
     outputs (`Bound.buffers`) are bound once per shape instead of once per call (rebinding
     through Python was most of an iteration's host work). A shape's entry is dropped when the
-    cache is reallocated. kv_names: per cache layer, the graph's (past key, past value, new
+    cache is re-laid out, and the least recently used one when `keep` are held. kv_names: per cache layer, the graph's (past key, past value, new
     key, new value) names. buffers(bound, b, T, width, *extra) makes the other buffers."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
@@ -136,8 +136,10 @@ class Bindings:
     def get(self, backend, slots: range, T: int, width: int, *extra: int) -> Bound:
         cache = backend.cache
         key = (slots.start, slots.stop, T, width, *extra, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
-        entry = self.entries.get(key)
-        if entry is None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:            # most recently used last: one-off shapes (prefills) evict each other
+            self.entries[key] = entry
+        else:
             self.entries = {k: e for k, e in self.entries.items() if k[-3:] == key[-3:]}   # same cache buffers only
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
