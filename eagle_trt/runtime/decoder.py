@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
@@ -205,15 +206,12 @@ class SpeculativeDecoder:
         if caught_up and self.cost_model is not None:
             self.cost_model.time_catch_up(rows, catch_up)
         lengths = [len(s.pending_ids) for s in batch]
-        T, width = max(lengths), batch[0].pending_states[0].shape[-1]
+        T = max(lengths)
         if len(batch) == 1:             # one sequence: its rows as they are
             states, ids = batch[0].pending_states[0][None], torch.tensor([batch[0].pending_ids])
-        else:
-            states = batch[0].pending_states[0].new_zeros(len(batch), T, width)
-            ids = torch.zeros(len(batch), T, dtype=torch.int64)
-            for i, s in enumerate(batch):   # padding rows are never committed nor seen
-                states[i, :lengths[i]] = s.pending_states[0]
-                ids[i, :lengths[i]] = torch.tensor(s.pending_ids)
+        else:                           # padded to T rows in two ops; padding rows are never committed nor seen
+            states = pad_sequence([s.pending_states[0] for s in batch], batch_first=True)
+            ids = torch.tensor([s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch])
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                             lambda sec: self.cost_model.time_draft(len(batch), T, sec))
         for s in batch:
@@ -279,11 +277,16 @@ class SpeculativeDecoder:
         if self.cost_model is not None:
             self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)
         finished = []
+        kept = None
+        if self.drafter is not None:   # what the drafter encodes when the batch next drafts: one gather for all
+            width = max(len(p) for p in paths)
+            index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=captured.device)
+            kept = captured.gather(1, index[:, :, None].expand(-1, -1, captured.shape[-1]))
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))
-            if self.drafter is not None:     # what the drafter encodes when the batch next drafts
-                s.pending_states.append(captured[i, path])
+            if kept is not None:
+                s.pending_states.append(kept[i, :len(path)])
                 s.pending_ids = s.pending_ids + new
             s.extend(new, self.eos_ids)
             if s.stop:
