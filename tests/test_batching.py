@@ -3,6 +3,9 @@ sequence of a continuously batched run equal to its own batch-1 run (torch and O
 with mixed prompt lengths, per-sequence max_new_tokens and EOS, joins and leaves."""
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 
@@ -227,6 +230,29 @@ def test_batched_sequences_equal_their_batch_one_runs(setup, backend):
         assert not decoder.active and decoder.target.batch == 0    # every slot freed
     plain = SpeculativeDecoder(target, None, eos).generate_batch([Request(p, n) for p, n in zip(prompts, limits)], 8)
     assert [r.tokens for r in plain] == solo
+
+
+def test_copied_backends_decode_side_by_side_with_their_own_caches(setup):
+    """The per-request decoders copy one backend pair (copy.copy: shared sessions, own caches);
+    a reset reuses only a cache the backend made, so threads never clear each other's."""
+    target, drafter = _backends(setup, "onnxruntime")
+    prompts = setup[3]
+    solo = [SpeculativeDecoder(target, drafter, []).generate(p, 20).tokens for p in prompts[:4]]
+    first = target.cache
+    target.reset()
+    assert target.cache is first                                     # its own: cleared, storage kept
+    results = [None] * 4
+
+    def worker(k):
+        decoder = SpeculativeDecoder(copy.copy(target), copy.copy(drafter), [])
+        for i in (k, k + 2):
+            results[i] = decoder.generate(prompts[i], 20).tokens
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == solo and target.cache is first
 
 
 def test_cost_model_choices_keep_outputs_identical(setup):

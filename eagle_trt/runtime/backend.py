@@ -35,13 +35,16 @@ class _Batched:
     cache: KVCache | None = None
 
     def _new_cache(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
-        """An empty cache: the last one cleared where it has this layout (its storage reused), else a new one."""
+        """An empty cache: this backend's last one cleared where it has this layout (its storage
+        reused), else a new one. A copy of a backend (copy.copy: the per-request decoders share
+        the sessions) makes its own at its first reset instead of clearing the one it was copied with."""
         c = self.cache
-        if (c is not None and c.layout == (num_layers, kv_heads, head_dim) and c.dtype == dtype
+        if (c is not None and c.owner is self and c.layout == (num_layers, kv_heads, head_dim) and c.dtype == dtype
                 and torch.device(c.device) == torch.device(device)):
             c.clear(capacity)
         else:
             self.cache = KVCache(num_layers, kv_heads, head_dim, capacity, dtype, device)
+            self.cache.owner = self
 
     def add_sequence(self, rows: int = 0) -> int:
         """A new sequence in the next free slot (room for `rows` rows); returns the slot."""

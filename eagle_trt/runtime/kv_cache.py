@@ -34,6 +34,7 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.k = self.v = None
         self.storage: tuple[Tensor, Tensor] | None = None   # flat K / V storage the layouts are views of
+        self.owner = None                     # the backend that clears and reuses it (backend._new_cache)
         self.lengths: list[int] = []
         self._allocate(max(batch, 1), max(capacity, 1))
         self.staged = 0                       # rows staged per sequence by the last forward
