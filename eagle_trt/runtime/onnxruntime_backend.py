@@ -30,9 +30,17 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int6
 
 
 class _Timed:
-    """Counts calls and seconds spent inside graph runs, for the host-overhead share."""
+    """Counts calls and seconds spent inside graph runs, for the host-overhead share. A copy
+    (copy.copy: the per-request decoders of bench --concurrency) shares the session and gets
+    its own cache and bindings, so copies can run side by side."""
     graph_seconds = 0.0
     graph_calls = 0
+
+    def __copy__(self):
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.cache, other.bindings = None, self.bindings.empty_copy()
+        return other
 
     def _run_graph(self, io: ort.IOBinding) -> None:
         start = time.perf_counter()
@@ -105,6 +113,7 @@ class Bound:
     def __init__(self, io: ort.IOBinding, staging: torch.Tensor):
         self.io, self.staging = io, staging          # staging [2, L, b, Hkv, T, D]: new K, new V
         self.buffers: dict[str, torch.Tensor] = {}
+        self.layout: tuple | None = None             # the cache layout its past inputs are bound to
 
     def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
         buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
@@ -120,38 +129,51 @@ class Bound:
 
 
 class Bindings:
-    """Bindings kept from call to call, one per call shape (slots, new rows, past width, cache
-    buffers, and `extra`, e.g. the rows that get logits): the past inputs and new-KV outputs of
-    every cache layer (4L for the target, 4 for the drafter) and the call's other inputs and
-    outputs (`Bound.buffers`) are bound once per shape instead of once per call (rebinding
-    through Python was most of an iteration's host work). A shape's entry is dropped when the
-    cache is re-laid out, and the least recently used one when `keep` are held. kv_names: per cache layer, the graph's (past key, past value, new
-    key, new value) names. buffers(bound, b, T, width, *extra) makes the other buffers."""
+    """Bindings kept from call to call, one per call shape (slots, new rows, and `extra`, e.g.
+    the rows that get logits): the new-KV outputs of every cache layer and the call's other
+    inputs and outputs (`Bound.buffers`) are bound once per shape instead of once per call
+    (rebinding through Python was most of an iteration's host work). The past inputs (2L for
+    the target, 2 for the drafter) and the buffers sized by the past's width are bound again
+    only when the cache is re-laid out (`width_buffers(bound, b, T, width)`), not the whole
+    entry: continuous batching re-lays the cache out at every chunk of rows. The least
+    recently used entry goes when `keep` are held; one-off calls of more than `keep_bytes` of
+    new KV rows (long prefills, drafter catch-ups) are not kept. kv_names: per cache layer, the
+    graph's (past key, past value, new key, new value) names. buffers(bound, b, T, *extra)
+    makes the other buffers."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
-                 keep: int = 8):
-        self.session, self.kv_names, self.make_buffers, self.keep = session, kv_names, buffers, keep
+                 width_buffers=None, keep: int = 16, keep_bytes: int = 64 << 20):
+        self.session, self.kv_names, self.keep, self.keep_bytes = session, kv_names, keep, keep_bytes
+        self.make_buffers, self.make_width_buffers = buffers, width_buffers
         self.entries: dict[tuple, Bound] = {}
+
+    def empty_copy(self) -> "Bindings":
+        return Bindings(self.session, self.kv_names, self.make_buffers, self.make_width_buffers, self.keep,
+                        self.keep_bytes)
 
     def get(self, backend, slots: range, T: int, width: int, *extra: int) -> Bound:
         cache = backend.cache
-        key = (slots.start, slots.stop, T, width, *extra, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        key = (slots.start, slots.stop, T, *extra)
+        layout = (width, cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         entry = self.entries.pop(key, None)
-        if entry is not None:            # most recently used last: one-off shapes (prefills) evict each other
-            self.entries[key] = entry
-        else:
-            self.entries = {k: e for k, e in self.entries.items() if k[-3:] == key[-3:]}   # same cache buffers only
+        if entry is None:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
             L, _, H, _, D = cache.k.shape
             entry = Bound(self.session.io_binding(),
                           torch.empty((2, len(self.kv_names), len(slots), H, T, D), dtype=cache.k.dtype))
-            for i, (past_k, past_v, new_k, new_v) in enumerate(self.kv_names):
-                bind_past(entry.io, backend, slots, width, i, (past_k, past_v))
+            for i, (_, _, new_k, new_v) in enumerate(self.kv_names):
                 bind_buffer(entry.io, new_k, entry.staging[0, i])
                 bind_buffer(entry.io, new_v, entry.staging[1, i])
-            self.make_buffers(entry, len(slots), T, width, *extra)
-            self.entries[key] = entry
+            self.make_buffers(entry, len(slots), T, *extra)
+        if entry.layout != layout:      # a new entry, or the cache re-laid out since its last call
+            for i, (past_k, past_v, _, _) in enumerate(self.kv_names):
+                bind_past(entry.io, backend, slots, width, i, (past_k, past_v))
+            if self.make_width_buffers is not None:
+                self.make_width_buffers(entry, len(slots), T, width)
+            entry.layout = layout
+        if entry.staging.numel() * entry.staging.element_size() <= self.keep_bytes:
+            self.entries[key] = entry   # most recently used last
         return entry
 
 
@@ -181,7 +203,7 @@ class OrtTarget(_Timed, TargetBackend):
         self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
         self.bindings = Bindings(self.session, [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}")
-                                                for i in range(self.num_layers)], self._buffers)
+                                                for i in range(self.num_layers)], self._buffers, self._width_buffers)
         self.graph_accepts = set(ACCEPT_OUTPUTS) <= set(outputs)   # graphs exported before format 5 do not
 
     def reset(self, capacity: int = CHUNK) -> None:
@@ -199,15 +221,18 @@ class OrtTarget(_Timed, TargetBackend):
         logits, captured = self._forward(input_ids, positions, mask, slots, index)
         return logits, captured[:, :T]
 
-    def _buffers(self, bound: Bound, b: int, T: int, width: int, K: int) -> None:
+    def _buffers(self, bound: Bound, b: int, T: int, K: int) -> None:
         for name, shape in (("input_ids", [b, T]), ("position_ids", [b, T]), ("logits_index", [K])):
             bound.buffer(name, torch.int64, shape, output=False)
-        bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
         bound.buffer("logits", self.logits_dtype, [b, K, self.vocab_size], output=True)
         bound.buffer("captured", self.captured_dtype, [b, T, self.captured_width], output=True)
         if self.graph_accepts:
             for name, shape in zip(ACCEPT_OUTPUTS, ([b, K], [b], [b, K])):
                 bound.buffer(name, torch.int64, shape, output=True)
+
+    @staticmethod
+    def _width_buffers(bound: Bound, b: int, T: int, width: int) -> None:
+        bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
         bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, len(logits_index))
@@ -241,7 +266,7 @@ class OrtDrafter(_Timed, DrafterBackend):
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(1, self.kv_heads, self.head_dim, capacity, self.dtype, "cpu")
 
-    def _buffers(self, bound: Bound, b: int, T: int, width: int) -> None:
+    def _buffers(self, bound: Bound, b: int, T: int) -> None:
         bound.buffer("captured", self.captured_dtype, [b, T, self.captured_width], output=False)
         bound.buffer("input_ids", torch.int64, [b, T], output=False)
         for name in ("past_lengths", "new_lengths"):
