@@ -12,7 +12,9 @@ Per workload, all at temperature 0 on the same prompts and the same machine:
   loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
 since the best shape depends on how verification cost grows with tokens on the hardware.
-Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
+Each prompt is decoded --repeats times (default 2) in both ONNX Runtime modes, the modes
+alternating, and each mode's fastest run counts (runtime/timing.py: a slow spell of the machine
+lands on one run, not on one mode). Reported: tokens/s, mean acceptance length, acceptance per depth, the time split of speculative
 decoding (drafter graph, target graph, host work outside graph calls), peak RSS, and whether
 the outputs of the three were identical. Prints a table, writes bench.json and two PNG plots.
 
@@ -114,8 +116,8 @@ class HFBaseline:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDecoding, max_new_tokens: int,
-                 depth: int, torch_decoder: SpeculativeDecoder | None = None) -> dict:
-    target, drafter, eos = ort.target, ort.drafter, ort.eos
+                 depth: int, torch_decoder: SpeculativeDecoder | None = None, repeats: int = 2) -> dict:
+    eos = ort.eos
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
     torch_identical = 0
     split = {"drafter_graph": 0.0, "target_graph": 0.0}
@@ -125,14 +127,12 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
         hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
         rows["transformers"]["tokens"] += len(hf_tokens)
         rows["transformers"]["seconds"] += hf_s
-        ar = ort.autoregressive(ids, max_new_tokens)
+        sp, ar, target_s, drafter_s = ort.compare(ids, max_new_tokens, repeats)
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
         calls["autoregressive"] += ar.target_calls
-        t0, d0 = target.graph_seconds, drafter.graph_seconds
-        sp = ort.speculative(ids, max_new_tokens)
-        split["target_graph"] += target.graph_seconds - t0
-        split["drafter_graph"] += drafter.graph_seconds - d0
+        split["target_graph"] += target_s
+        split["drafter_graph"] += drafter_s
         calls["drafter"] += sp.drafter_calls
         calls["verify"] += sp.target_calls
         rows["speculative"]["tokens"] += len(sp.tokens)
@@ -254,6 +254,8 @@ def main(argv=None) -> int:
                    "fastest of --tree-candidates on --sweep-prompts MT-bench prompts not among the measured ones")
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each ONNX Runtime mode, alternating; "
+                   "the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
     p.add_argument("--drafter-weights", choices=sorted(DRAFTER_WEIGHTS), default="float32",
                    help="the ONNX Runtime drafter graph's weights: float32 (the exported graph) or int8 (per-channel "
@@ -285,6 +287,8 @@ def main(argv=None) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else []
         if any(c < 1 for c in levels):
             raise ConfigError(f"--concurrency {args.concurrency}: stream counts must be >= 1")
+        if args.repeats < 1:
+            raise ConfigError(f"--repeats {args.repeats}: must be >= 1")
         if args.concurrency_repeats < 1:
             raise ConfigError(f"--concurrency-repeats {args.concurrency_repeats}: must be >= 1")
         if not names and not levels:
@@ -321,7 +325,8 @@ def main(argv=None) -> int:
         torch_decoder.generate(warm, 8)
     if hf is not None:
         hf.generate(warm, 8, eos)
-    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder) for w in names]
+    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder, args.repeats)
+               for w in names]
     concurrent = []
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)

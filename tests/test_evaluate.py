@@ -160,3 +160,28 @@ def test_decoding_threads_hold_inside_every_timed_loop_and_restore_after():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
+    """bench and the demo time a prompt by OrtDecoding.compare: a slow spell lands on one run,
+    not on one mode, and the speculative run kept brings its own graph-time split."""
+    from types import SimpleNamespace
+
+    from eagle_trt.runtime.decoder import GenerationResult
+    from eagle_trt.runtime.timing import OrtDecoding
+    target, drafter = SimpleNamespace(graph_seconds=0.0), SimpleNamespace(graph_seconds=0.0)
+    ort = OrtDecoding(target, drafter, None, None, set())
+    order, seconds = [], {"autoregressive": [3.0, 2.0, 2.5], "speculative": [1.0, 1.5, 0.8]}
+
+    def run(mode):
+        def decode(ids, max_new_tokens):
+            order.append(mode)
+            s = seconds[mode][sum(m == mode for m in order) - 1]
+            target.graph_seconds += s / 2
+            drafter.graph_seconds += s / 4
+            return GenerationResult(tokens=[1, 2], seconds=s)
+        return decode
+    ort.speculative, ort.autoregressive = run("speculative"), run("autoregressive")
+    spec, ar, target_s, drafter_s = ort.compare([5], 2, repeats=3)
+    assert order == ["autoregressive", "speculative", "speculative", "autoregressive", "autoregressive", "speculative"]
+    assert (spec.seconds, ar.seconds) == (0.8, 2.0) and (target_s, drafter_s) == pytest.approx((0.4, 0.2))
