@@ -164,15 +164,17 @@ class _Rewriter:
             self.new_inits.append(numpy_helper.from_array(array, name))
         return name
 
-    def _float(self, t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-        return t.to(dtype).numpy()
+    @staticmethod
+    def _scale(t: torch.Tensor) -> np.ndarray:
+        """Scales are float32 whatever the graph's dtype: the Q/DQ pairs run in float32 (`_cast`)."""
+        return t.to(torch.float32).numpy()
 
     def weight(self, init_name: str, transposed: bool = False) -> str:
         key = (init_name, transposed)
         if key in self.weights:
             return self.weights[key]
         init = self.inits[init_name]
-        graph_dtype, dtype = FLOAT_TYPES[init.data_type], torch.float32
+        graph_dtype = FLOAT_TYPES[init.data_type]
         w = torch.from_numpy(numpy_helper.to_array(init, self.base_dir).copy()).float()
         w = w if transposed else w.T                                        # [out, in], as nn.Linear
         dims = [w.shape[1], w.shape[0]]                                      # the MatMul's [in, out]
@@ -182,7 +184,7 @@ class _Rewriter:
             q, scale = fp8_weight(w, self.cfg.per_channel)
             qname = self._init(f"{base}_fp8", elem=TensorProto.FLOAT8E4M3FN, dims=dims,
                                raw=q.T.contiguous().view(torch.uint8).numpy().tobytes())
-            sname = self._init(f"{base}_scale", self._float(scale, dtype))
+            sname = self._init(f"{base}_scale", self._scale(scale))
             attrs = {"axis": 1} if self.cfg.per_channel else {}
             self.weight_nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [out],
                                                       name=f"{base}_DequantizeLinear", **attrs))
@@ -193,7 +195,7 @@ class _Rewriter:
             bname = self._init(f"{base}_block_scale_fp8", elem=TensorProto.FLOAT8E4M3FN,
                                dims=[dims[0] // NVFP4_BLOCK, dims[1]],
                                raw=sb8.T.contiguous().view(torch.uint8).numpy().tobytes())
-            gname = self._init(f"{base}_global_scale", self._float(g, dtype))
+            gname = self._init(f"{base}_global_scale", self._scale(g))
             self.weight_nodes += [
                 helper.make_node("DequantizeLinear", [bname, gname], [f"{base}_block_scale"],
                                  name=f"{base}_DequantizeLinear"),
@@ -204,18 +206,18 @@ class _Rewriter:
         return out
 
     @staticmethod
-    def _cast(nodes: list, name: str, dtype: torch.dtype) -> str:
-        """A float32 dequantized output `name` in the graph's `dtype` (a Cast appended to `nodes`
+    def _cast(nodes: list, name: str, graph_dtype: torch.dtype) -> str:
+        """A float32 dequantized output `name` in the graph's dtype (a Cast appended to `nodes`
         in a float16 graph)."""
-        if dtype == torch.float32:
+        if graph_dtype == torch.float32:
             return name
         nodes.append(helper.make_node("Cast", [name], [f"{name}_fp16"], name=f"{name}_CastFloat16",
                                       to=TensorProto.FLOAT16))
         return f"{name}_fp16"
 
-    def activation(self, index: int, node: onnx.NodeProto, amax: float, dtype: torch.dtype) -> str:
-        """Quantize the MatMul's input; one quantizer serves every MatMul reading the same tensor
-        with the same amax (q / k / v, gate / up)."""
+    def activation(self, index: int, node: onnx.NodeProto, amax: float, graph_dtype: torch.dtype) -> str:
+        """Quantize the MatMul's input (a `graph_dtype` tensor; quantized in float32); one quantizer
+        serves every MatMul reading the same tensor with the same amax (q / k / v, gate / up)."""
         x = node.input[0]
         key = (x, amax)
         if key in self.acts:
@@ -223,20 +225,19 @@ class _Rewriter:
         base = f"{node.name.rsplit('/', 1)[0]}/input_quantizer"
         out = f"{base}/dq_output"
         nodes = self.before.setdefault(index, [])
-        graph_dtype, dtype = dtype, torch.float32
         if graph_dtype != torch.float32:
             nodes.append(helper.make_node("Cast", [x], [f"{base}/x_float32"], name=f"{base}/CastFloat32",
                                           to=TensorProto.FLOAT))
             x = f"{base}/x_float32"
         if self.cfg.format == "fp8":
-            sname = self._init(f"{base}/scale", self._float(fp8_scale(amax), dtype))
+            sname = self._init(f"{base}/scale", self._scale(fp8_scale(amax)))
             zname = self._init(f"{base}/zero_point", elem=TensorProto.FLOAT8E4M3FN, dims=[], raw=b"\x00")
             nodes += [helper.make_node("QuantizeLinear", [x, sname, zname], [f"{base}/q_output"],
                                        name=f"{base}/QuantizeLinear", saturate=1),
                       helper.make_node("DequantizeLinear", [f"{base}/q_output", sname], [out],
                                        name=f"{base}/DequantizeLinear")]
         else:
-            gname = self._init(f"{base}/global_scale", self._float(nvfp4_global_scale(amax), dtype))
+            gname = self._init(f"{base}/global_scale", self._scale(nvfp4_global_scale(amax)))
             nodes += [helper.make_node("TRT_FP4DynamicQuantize", [x, gname], [f"{base}/x_fp4", f"{base}/sx_fp8"],
                                        name=f"{base}/TRT_FP4DynamicQuantize", domain=TRT_DOMAIN,
                                        axis=-1, block_size=NVFP4_BLOCK, scale_type=TensorProto.FLOAT8E4M3FN),
@@ -320,9 +321,9 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
                          f"({len(summary.skipped)} skipped)")
     check_amax(amax, sorted({p for _, _, p, _, _ in plan}), source)
     for index, node, path, init_name, transposed in plan:
-        dtype = FLOAT_TYPES[rw.inits[init_name].data_type]
+        graph_dtype = FLOAT_TYPES[rw.inits[init_name].data_type]
         node.input[1] = rw.weight(init_name, transposed)
-        node.input[0] = rw.activation(index, node, float(amax[path]), dtype)
+        node.input[0] = rw.activation(index, node, float(amax[path]), graph_dtype)
         summary.quantized[node.name] = path
     rw.finish()
     summary.weights_converted = len(rw.weights)
