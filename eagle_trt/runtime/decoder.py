@@ -279,9 +279,12 @@ class SpeculativeDecoder:
         finished = []
         kept = None
         if self.drafter is not None:   # what the drafter encodes when the batch next drafts: one gather for all
-            width = max(len(p) for p in paths)
-            index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=captured.device)
-            kept = captured.gather(1, index[:, :, None].expand(-1, -1, captured.shape[-1]))
+            if all(s.request.sampling.greedy for s in batch):
+                index = path_t             # where the target put it (zero past each path's end)
+            else:
+                width = max(len(p) for p in paths)
+                index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=captured.device)
+            kept = captured.gather(1, index.to(captured.device)[:, :, None].expand(-1, -1, captured.shape[-1]))
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))
