@@ -10,7 +10,8 @@ only the accepted paths, lengths and tokens to the host, once per iteration (sam
 acceptance reads the logits rows it needs). One execution context per optimization profile:
 the target engine has prefill (0, batch 1) and verification (1, batch up to
 engines.max_batch), the drafter engine one. Calls are enqueued with set_input_shape /
-set_tensor_address / execute_async_v3 on torch's current CUDA stream (or a given one, ordered
+set_tensor_address (only where they changed since the context's last call) / execute_async_v3,
+into output buffers made once per input shapes, on torch's current CUDA stream (or a given one, ordered
 against it by stream waits on the GPU): an engine call itself never makes the host wait. The
 decoder's copy of the accepted tokens does, and so may its few small host-to-device copies
 (roots, lengths, commit indices: pageable copies), which is not measured: no GPU has run this.
@@ -59,7 +60,11 @@ class Engine:
         self.outputs = [n for n in self.names if n not in self.inputs]
         self.dtypes = {n: TORCH_OF[self.engine.get_tensor_dtype(n)] for n in self.names}
         self.contexts = []
+        self.bound: list[dict] = []       # per context: what was last set (input shape and address, output address)
+        self.output_sets: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.keep_outputs = 16
         for index in range(self.engine.num_optimization_profiles):
+            self.bound.append({})
             context = self.engine.create_execution_context()
             context.set_optimization_profile_async(index, self.stream.cuda_stream)
             self.contexts.append(context)
@@ -76,23 +81,37 @@ class Engine:
         return True
 
     def run(self, profile: int, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
-        """Bind inputs (their shapes select the output shapes) and given output buffers, allocate
-        the other outputs and enqueue, without waiting. Fills `outputs` with every output tensor."""
-        context = self.contexts[profile]
+        """Bind inputs (their shapes select the output shapes) and enqueue, without waiting.
+        Fills `outputs` with every output tensor: given buffers, else this engine's own buffers
+        for these input shapes, made once and reused, so outputs are valid until the next call
+        with the same shapes (as the ONNX Runtime backend's). A context keeps its shapes and
+        addresses from call to call (TensorRT 10), so only those that changed are set again:
+        a verification call of the same shape as the last re-sets its few small inputs, not
+        the 4L KV pasts and new-row outputs."""
+        context, bound = self.contexts[profile], self.bound[profile]
+        shapes = []
         for name in self.inputs:
             t = inputs[name]
             if t.dtype != self.dtypes[name] or not t.is_cuda or not t.is_contiguous():
                 raise TypeError(f"{self.path}: input '{name}' must be a contiguous CUDA {self.dtypes[name]} tensor, "
                                 f"got {t.dtype} on {t.device}")
-            context.set_input_shape(name, tuple(t.shape))
-            context.set_tensor_address(name, t.data_ptr())
+            shape = tuple(t.shape)
+            shapes.append(shape)
+            last = bound.get(name)
+            if last is None or last[0] != shape:
+                context.set_input_shape(name, shape)
+            if last != (shape, t.data_ptr()):
+                context.set_tensor_address(name, t.data_ptr())
+                bound[name] = (shape, t.data_ptr())
+        own = self._output_buffers(profile, tuple(shapes))
         for name in self.outputs:
-            shape = tuple(context.get_tensor_shape(name))
-            if name not in outputs:
-                outputs[name] = torch.empty(shape, dtype=self.dtypes[name], device="cuda")
-            elif tuple(outputs[name].shape) != shape:
-                raise ValueError(f"{self.path}: output '{name}' has shape {shape}, buffer {tuple(outputs[name].shape)}")
-            context.set_tensor_address(name, outputs[name].data_ptr())
+            buf = outputs.setdefault(name, own[name])
+            if tuple(buf.shape) != tuple(own[name].shape):
+                raise ValueError(f"{self.path}: output '{name}' has shape {tuple(own[name].shape)}, buffer "
+                                 f"{tuple(buf.shape)}")
+            if bound.get(name) != buf.data_ptr():
+                context.set_tensor_address(name, buf.data_ptr())
+                bound[name] = buf.data_ptr()
         current = torch.cuda.current_stream()
         if self.stream != current:        # a stream of its own: ordered against torch's on the GPU
             self.stream.wait_stream(current)
@@ -102,6 +121,20 @@ class Engine:
             current.wait_stream(self.stream)
             for t in outputs.values():    # made on torch's stream, written on ours: not reused too early
                 t.record_stream(self.stream)
+
+    def _output_buffers(self, profile: int, shapes: tuple) -> dict[str, torch.Tensor]:
+        """This engine's output buffers for one set of input shapes (already set on the context),
+        the least recently used set dropped past `keep_outputs`."""
+        key = (profile, shapes)
+        own = self.output_sets.pop(key, None)
+        if own is None:
+            context = self.contexts[profile]
+            own = {name: torch.empty(tuple(context.get_tensor_shape(name)), dtype=self.dtypes[name], device="cuda")
+                   for name in self.outputs}
+            if len(self.output_sets) >= self.keep_outputs:
+                self.output_sets.pop(next(iter(self.output_sets)))
+        self.output_sets[key] = own
+        return own
 
 
 def _cuda(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
