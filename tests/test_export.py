@@ -175,7 +175,7 @@ def test_target_graph_accepts_greedily_like_the_tree_walk(exported):
 def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     """Every binding of a call shape is made once and reused: the past / new-KV bindings and the
     preallocated input and output buffers (one logits tensor for every one-token step, its
-    values right at each call); a reallocated cache gets new bindings."""
+    values right at each call); a re-laid-out cache keeps the entries and rebinds their past."""
     target, _, graphs = exported
     ort_target, ref = OrtTarget(graphs["target"], 512), TorchTarget(target.model)
     ids = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(7))
@@ -196,12 +196,18 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
             backend.commit([[0]])
     assert len(addresses) == 1                                     # the same buffers, call after call
     assert len(ort_target.bindings.entries) == 2                    # the prefill's shape and the step's
-    before = [bound.io for bound in ort_target.bindings.entries.values()]
+    step_entry = ort_target.bindings.entries[(0, 1, 1, 1)]
     long = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
-    ort_target.forward(long, 40 + torch.arange(40)[None], torch.ones(1, 40, 40).tril().bool())   # grows the cache
+    for backend in (ort_target, ref):                               # grows the cache: a new layout
+        backend.forward(long, 40 + torch.arange(40)[None], torch.ones(1, 40, 40).tril().bool())
+        backend.commit([list(range(40))])
     assert ort_target.cache.capacity == 128
-    assert len(ort_target.bindings.entries) == 1                    # bound to the old cache: dropped
-    assert all(bound.io not in before for bound in ort_target.bindings.entries.values())
+    step = (long[:, :1], torch.tensor([[80]]), eye(1))
+    logits, captured = ort_target.forward(*step)
+    want, want_captured = ref.forward(*step)
+    assert ort_target.bindings.entries[(0, 1, 1, 1)] is step_entry   # kept; its past bound to the new layout
+    assert step_entry.layout[0] == 128 and (logits.data_ptr(), captured.data_ptr()) in addresses
+    assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
 
 
 def test_drafter_graph_rejects_another_tree_shape(exported):
