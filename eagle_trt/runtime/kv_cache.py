@@ -47,13 +47,14 @@ class KVCache:
         shape = (L, batch, H, rows, D)
         b, s = min(batch, len(self.lengths)), min(rows, max(self.lengths, default=0))
         kept = (self.k[:, :b, :, :s].clone(), self.v[:, :b, :, :s].clone()) if b and s else None
-        size = math.prod(shape)
-        if self.storage is None or self.storage[0].numel() < size:
+        numel = math.prod(shape)
+        if self.storage is None or self.storage[0].numel() < numel:
+            size = numel
             if self.storage is not None:     # half again: the next chunks of rows fit without another one
-                size = max(size, self.storage[0].numel() * 3 // 2)
+                size = max(numel, self.storage[0].numel() * 3 // 2)
                 self.storage = None          # let the old storage go before the new one is made
             self.storage = tuple(torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(2))
-        self.k, self.v = (flat[:math.prod(shape)].view(shape) for flat in self.storage)
+        self.k, self.v = (flat[:numel].view(shape) for flat in self.storage)
         if kept is not None:
             self.k[:, :b, :, :s], self.v[:, :b, :, :s] = kept
 
