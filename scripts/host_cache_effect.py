@@ -86,11 +86,10 @@ def main(argv=None) -> int:
         plain_run = onnxruntime_backend._Timed._run_graph
 
         def run_and_stream(self, io):   # the call, then a read of `big`, both timed as graph time
+            plain_run(self, io)
             start = time.perf_counter()
-            self.session.run_with_iobinding(io)
             big.sum()
             self.graph_seconds += time.perf_counter() - start
-            self.graph_calls += 1
         onnxruntime_backend._Timed._run_graph = run_and_stream
         try:
             host, iterations = decode(ort, prompts[1:], args.max_new_tokens, args.streams)
