@@ -47,15 +47,51 @@ def test_evaluate_cli_reports_same_tokens_for_two_copies_of_a_drafter(smollm2, t
     from eagle_trt.checkpoints import random_drafter, save_drafter
     path = save_drafter(random_drafter(smollm2, "eagle3.1", draft_vocab_size=2048), tmp_path / "d")
     rc = evaluate.main(["--drafter", f"a={path}", "--drafter", f"b={path}", "--workloads", "mtbench,plain",
-                        "--prompts", "2", "--max-new-tokens", "8", "--depth", "3", "--tree-top-k", "2",
-                        "--total-tokens", "4", "--threads", "1", "--quiet", "--json", str(tmp_path / "r.json")])
+                        "--prompts", "2", "--max-new-tokens", "8", "--depth", "3,2", "--tree-top-k", "2",
+                        "--total-tokens", "4,3", "--threads", "1", "--quiet", "--json", str(tmp_path / "r.json")])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["identical_across_drafters"] == {"mtbench": True, "plain": True}
+    assert report["trees"] == [[3, 2, 4], [2, 2, 3]]
     rows = report["results"]
-    assert len(rows) == 4 and all(r["new_tokens"] == 16 for r in rows)
-    assert all(1.0 <= r["mean_accept_length"] <= 4.0 for r in rows)
+    assert len(rows) == 8 and all(r["new_tokens"] == 16 for r in rows)
+    assert sorted(r["tree"][0] for r in rows) == [2] * 4 + [3] * 4
+    assert all(1.0 <= r["mean_accept_length"] <= r["tree"][0] + 1 for r in rows)
     assert "identical tokens across drafters" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="one per depth"):
+        evaluate.parse_trees("3,2", 2, "4,3,2")
+
+
+def test_prefill_once_reuses_only_an_identical_prompt(smollm2):
+    """The shared prefill returns the call's own outputs for the same prompt and recomputes for
+    another one; calls with a past are never reused."""
+    import torch
+    from eagle_trt.models.target import causal_mask
+    calls = []
+    hook = smollm2.model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape))
+    try:
+        target = evaluate.PrefillOnce(smollm2.model)
+        target.reset()
+
+        def prefill(ids):
+            n = len(ids)
+            slot = target.add_sequence()
+            out = target.forward(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), range(slot, slot + 1),
+                                 last_only=True)
+            target.commit([list(range(n))])
+            return out
+        a = prefill([1, 2, 3, 4])
+        target.reset()
+        b = prefill([1, 2, 3, 4])
+        assert len(calls) == 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+        target.reset()
+        c = prefill([1, 2, 3, 5])
+        assert len(calls) == 2 and not torch.equal(a[0], c[0])
+        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
+        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
+        assert len(calls) == 4
+    finally:
+        hook.remove()
 
 
 @pytest.mark.slow
