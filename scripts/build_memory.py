@@ -89,8 +89,9 @@ print("MEMORY " + json.dumps({"exit": code, "seconds": time.time() - start, "pea
 """
 
 
-def write_checkpoint(folder: Path) -> Path:
-    """A random Llama of SHAPE with SmolLM2's tokenizer files, bf16 safetensors shards."""
+def write_checkpoint(folder: Path, layers: int = SHAPE["num_hidden_layers"]) -> Path:
+    """A random Llama of SHAPE (with `layers` decoder layers) with SmolLM2's tokenizer files,
+    bf16 safetensors shards."""
     if (folder / "config.json").is_file():
         return folder
     import shutil
@@ -101,7 +102,7 @@ def write_checkpoint(folder: Path) -> Path:
     from eagle_trt.checkpoints import resolve_target
     smol = resolve_target("smollm2")
     cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, **SHAPE)
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, **(SHAPE | {"num_hidden_layers": layers}))
     torch.manual_seed(0)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -145,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precisions", default="fp32,fp16,fp8,fp8-fp16",
                    help="comma-separated: fp32, fp16, fp8 (fp32 base), fp8-fp16 (fp16 base)")
     p.add_argument("--threads", type=int, default=2, help="OMP / ONNX Runtime threads of each build")
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                   help="decoder layers of the synthetic target (12: 0.83 B; two sizes separate a fixed "
+                        "overhead from what grows with the weights)")
     args = p.parse_args(argv)
     import os
 
     import yaml
     args.out.mkdir(parents=True, exist_ok=True)
-    target = write_checkpoint(args.out / "synthetic-0.83b")
+    name = "synthetic-0.83b" if args.layers == SHAPE["num_hidden_layers"] else f"synthetic-{args.layers}-layers"
+    target = write_checkpoint(args.out / name, args.layers)
     params, fp32_bytes = weight_bytes(target)
     print(f"target {target}: {params / 1e9:.3f} B parameters, {fp32_bytes / 1e9:.2f} GB in fp32", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {precision}: exit {m['exit']}, {m['seconds']:.0f} s, peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB "
               f"= {m['peak_over_fp32_weights']:.2f}x the fp32 weights (anonymous, sampled: "
               f"{m['peak_anonymous_bytes'] / 1e9:.2f} GB)", flush=True)
-    report = {"target": str(target), "shape": SHAPE, "parameters": params, "fp32_weight_bytes": fp32_bytes,
+    report = {"target": str(target), "shape": SHAPE | {"num_hidden_layers": args.layers}, "parameters": params, "fp32_weight_bytes": fp32_bytes,
               "threads": args.threads, "builds": rows}
     (args.out / "memory.json").write_text(json.dumps(report, indent=2))
     print(f"{'precision':<10}{'stage':<10}{'seconds':>9}{'peak RSS GB':>13}{'x fp32 weights':>16}{'anonymous GB':>14}")

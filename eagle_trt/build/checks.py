@@ -55,12 +55,15 @@ def run_parity_stage(b, out: Path) -> dict:
     progress.step("target reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
-    references = {m: _fake_quant_reference(b, m) for m in quantized}
-    # Every float reference is computed and the fake-quant ones hold their quantized weights: the
-    # float weights go before ONNX Runtime maps the graphs', so a real-size target is never in
-    # memory twice (issue 21).
-    del models, target, drafter
-    b.release_models()
+    # Every float reference is computed: the fake-quant references are made from the float models
+    # in place (each quantized Linear's float weight goes as its FP8 / FP4 one is made), and the
+    # rest of the float weights go before ONNX Runtime maps the graphs', so a real-size target is
+    # never in memory twice (issue 21). The released models are loaded again where needed.
+    try:
+        references = {m: _fake_quant_reference(b, m, target if m == "target" else drafter) for m in quantized}
+    finally:
+        del models, target, drafter
+        b.release_models()
     entries = {m: _quantized_parity(b, m, references.pop(m), tcase if m == "target" else cases[1], out / "bundles",
                                     progress) for m in quantized}
     reports = []
@@ -86,15 +89,15 @@ def run_parity_stage(b, out: Path) -> dict:
     return data
 
 
-def _fake_quant_reference(b, model: str):
-    """The fake-quant PyTorch model of `model` ('target' or 'drafter'): its quantized Linears
-    hold their FP8 / FP4 weights, not the float ones, so it outlives the float model."""
-    from ..quant import QuantConfig, load_calibration, quantized_copy
+def _fake_quant_reference(b, model: str, module):
+    """`module` (the float model of 'target' or 'drafter', in its precision's dtype) made the
+    fake-quant reference in place: its quantized Linears hold FP8 / FP4 weights, not float ones."""
+    from ..quant import QuantConfig, load_calibration, quantize_model
     p = getattr(b.cfg.precision, model)
-    amax = load_calibration(b.path("quantize", f"{model}.amax.json"))
-    module = _in_dtype(b.models.target.model if model == "target" else b.models.drafter, p.dtype)
-    qcfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
-    return quantized_copy(module, qcfg, amax, source=str(b.path("quantize", f"{model}.amax.json")))[0]
+    source = b.path("quantize", f"{model}.amax.json")
+    quantize_model(module, QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip)),
+                   load_calibration(source), source=str(source))
+    return module.eval()
 
 
 def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, progress: Progress) -> dict:

@@ -46,7 +46,8 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
         else:
             module = models.drafter
             amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape, prompt_done)
-        calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), linear_paths(module))
+        # module paths only: holding the Linears would keep the float weights through the rewrites
+        calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), list(linear_paths(module)))
         progress.step(f"calibrated {name} on {len(ids)} prompts")
     del models, module
     if release is not None:

@@ -105,18 +105,19 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
     """Swap the model's nn.Linear modules for QuantLinear in place, as `cfg` says; `amax` maps
     module path -> calibrated input amax (`source` names where it came from, for errors)."""
     summary = QuantSummary(cfg.format)
-    todo = {}
+    todo = []
     for path, linear in linear_paths(model).items():
         reason = cfg.skip_reason(path, linear.in_features)
         if reason is None:
-            todo[path] = linear
+            todo.append(path)
         else:
             summary.skipped[path] = reason
-    check_amax(amax, list(todo), source)
-    for path, linear in todo.items():
+    linear = None   # by path only from here: each replaced Linear's float weight is freed as it goes
+    check_amax(amax, todo, source)
+    for path in todo:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, name, QuantLinear(linear, cfg.format, amax[path], cfg.per_channel))
+        setattr(parent, name, QuantLinear(getattr(parent, name), cfg.format, amax[path], cfg.per_channel))
         summary.quantized.append(path)
     return summary
 
