@@ -13,7 +13,8 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import check_graph, export_drafter_step, export_drafter_tree, export_target
 from eagle_trt.models.target import causal_mask
 from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, fp8_backends, layer_parity,
-                             linear_paths, module_for_node, quantize_onnx, quantized_copy, run_graph)
+                             linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
+                             run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 
@@ -100,6 +101,35 @@ def test_every_quantized_matmul_matches_its_quant_linear(setup, tiny_target, fmt
     assert setup["summary"]["target", fmt].unmatched == []
     worst = max(r.rel_l2 for r in report)
     assert worst <= 1e-5, [r for r in report if r.rel_l2 > 1e-5]
+
+
+def test_quantize_model_in_place_lets_each_float_weight_go(setup, tiny_target, monkeypatch):
+    """The parity stage makes its fake-quant reference from the float model in place, so a
+    real-size target is never held twice: nothing in quantize_model may keep a replaced
+    Linear's float weight alive (the skipped lm_head's stays)."""
+    import copy
+    import gc
+    import weakref
+    from eagle_trt.quant import fakequant
+    model = copy.deepcopy(tiny_target.model)
+    cfg = QuantConfig("fp8", skip=("lm_head",))
+    weights = {path: weakref.ref(linear.weight) for path, linear in linear_paths(model).items()}
+    alive = []     # float weights still alive as each QuantLinear is made: the peak, not just the end
+
+    class Counting(fakequant.QuantLinear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            gc.collect()
+            alive.append(sum(r() is not None for r in weights.values()))
+    monkeypatch.setattr(fakequant, "QuantLinear", Counting)
+    summary = quantize_model(model, cfg, setup["amax"]["target"])
+    gc.collect()
+    n = len(summary.quantized)
+    assert n and set(summary.quantized) | set(summary.skipped) == set(weights)
+    # the i-th construction still sees its own Linear and the n - i - 1 not yet replaced, plus the skipped
+    assert alive == [n - i + len(summary.skipped) for i in range(n)]
+    assert [p for p in summary.quantized if weights[p]() is not None] == []
+    assert all(weights[p]() is not None for p in summary.skipped)
 
 
 def test_layer_parity_catches_a_wrong_scale(setup, tiny_target):
