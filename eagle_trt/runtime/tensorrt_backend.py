@@ -16,6 +16,14 @@ against it by stream waits on the GPU): an engine call itself never makes the ho
 decoder's copy of the accepted tokens does, and so may its few small host-to-device copies
 (roots, lengths, commit indices: pageable copies), which is not measured: no GPU has run this.
 
+CUDA graphs (`cuda_graphs=True`, opt-in, never run): a call whose shapes and addresses were seen
+before is replayed from a CUDA graph of its execute_async_v3 instead of enqueued again (TensorRT
+10 allows capturing enqueueV3 once the context has run with those shapes). Addresses repeat
+because the small inputs are copied into the engine's own buffers per input shapes, and the KV
+pasts are views of a cache that moves only when it is re-laid out; the graphs are captured on
+the engine's own stream (a legacy default stream cannot capture). A capture TensorRT refuses
+is logged once and that call shape runs uncaptured.
+
 Importable only where TensorRT is installed (an NVIDIA GPU and driver are needed to run it)."""
 from __future__ import annotations
 
@@ -40,9 +48,11 @@ TORCH_OF = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16
 class Engine:
     """A deserialized plan with one execution context per optimization profile."""
 
-    def __init__(self, plan: str | Path, stream: torch.cuda.Stream | None = None):
+    def __init__(self, plan: str | Path, stream: torch.cuda.Stream | None = None, cuda_graphs: bool = False):
         """stream: where the calls are enqueued (default: torch's current stream, the one the
-        decoder's tensor ops run on, so no synchronisation is needed between them)."""
+        decoder's tensor ops run on, so no synchronisation is needed between them; with
+        cuda_graphs, a stream of the engine's own). cuda_graphs: replay repeated call shapes
+        from CUDA graphs (module docstring)."""
         plan = Path(plan)
         if not plan.is_file():
             raise FileNotFoundError(f"{plan}: TensorRT plan not found")
@@ -54,7 +64,8 @@ class Engine:
             raise ValueError(f"{plan}: TensorRT cannot deserialize this plan (built by another TensorRT version "
                              f"or for another GPU?)")
         self.path = plan
-        self.stream = stream or torch.cuda.current_stream()
+        self.stream = stream or (torch.cuda.Stream() if cuda_graphs else torch.cuda.current_stream())
+        self.graphs: CallGraphs | None = CallGraphs(self) if cuda_graphs else None
         self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in self.names if n not in self.inputs]
@@ -89,21 +100,23 @@ class Engine:
         a verification call of the same shape as the last re-sets its few small inputs, not
         the 4L KV pasts and new-row outputs."""
         context, bound = self.contexts[profile], self.bound[profile]
-        shapes = []
         for name in self.inputs:
             t = inputs[name]
             if t.dtype != self.dtypes[name] or not t.is_cuda or not t.is_contiguous():
                 raise TypeError(f"{self.path}: input '{name}' must be a contiguous CUDA {self.dtypes[name]} tensor, "
                                 f"got {t.dtype} on {t.device}")
-            shape = tuple(t.shape)
-            shapes.append(shape)
+        shapes = tuple(tuple(inputs[name].shape) for name in self.inputs)
+        if self.graphs is not None:      # small inputs into this shape's own buffers: addresses repeat
+            inputs = self.graphs.stage(profile, shapes, inputs)   # on torch's stream, before the wait below
+        for name, shape in zip(self.inputs, shapes):
+            t = inputs[name]
             last = bound.get(name)
             if last is None or last[0] != shape:
                 context.set_input_shape(name, shape)
             if last != (shape, t.data_ptr()):
                 context.set_tensor_address(name, t.data_ptr())
                 bound[name] = (shape, t.data_ptr())
-        own = self._output_buffers(profile, tuple(shapes))
+        own = self._output_buffers(profile, shapes)
         for name in self.outputs:
             buf = outputs.setdefault(name, own[name])
             if tuple(buf.shape) != tuple(own[name].shape):
@@ -115,8 +128,12 @@ class Engine:
         current = torch.cuda.current_stream()
         if self.stream != current:        # a stream of its own: ordered against torch's on the GPU
             self.stream.wait_stream(current)
-        if not context.execute_async_v3(self.stream.cuda_stream):
-            raise RuntimeError(f"{self.path}: execute_async_v3 failed (see the TensorRT log)")
+        replayed = self.graphs is not None and self.graphs.replay(profile, inputs, outputs)
+        if not replayed:
+            if not context.execute_async_v3(self.stream.cuda_stream):
+                raise RuntimeError(f"{self.path}: execute_async_v3 failed (see the TensorRT log)")
+            if self.graphs is not None:
+                self.graphs.seen(profile, inputs, outputs)
         if self.stream != current:
             current.wait_stream(self.stream)
             for t in outputs.values():    # made on torch's stream, written on ours: not reused too early
@@ -137,6 +154,69 @@ class Engine:
         return own
 
 
+class CallGraphs:
+    """An engine's CUDA graphs, one per call signature (profile, and every input's and output's
+    shape and address): captured the second time a signature runs (the first run leaves the
+    context set up for it; one-off shapes such as a prefill are never captured), replayed
+    after. Small inputs (all but the KV pasts) are copied into buffers kept per input shapes,
+    so that their addresses repeat. At most `keep` graphs and input-buffer sets are held."""
+
+    def __init__(self, engine: "Engine", keep: int = 16):
+        self.engine, self.keep = engine, keep
+        self.inputs: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}   # None: seen once
+        self.refused: set[tuple] = set()
+
+    def stage(self, profile: int, shapes: tuple, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        key = (profile, shapes)
+        own = self.inputs.pop(key, None)
+        if own is None:
+            own = {n: torch.empty_like(t) for n, t in inputs.items() if not n.startswith("past_")}
+            if len(self.inputs) >= self.keep:
+                self.inputs.pop(next(iter(self.inputs)))
+        self.inputs[key] = own
+        # On torch's current stream, where the inputs were made: the engine's stream waits for it
+        # before running, and torch's waits for the engine's after each call, so the last call
+        # has read these buffers before they are written again.
+        for name, buf in own.items():
+            buf.copy_(inputs[name], non_blocking=True)
+        return {**inputs, **own}
+
+    def _signature(self, profile: int, inputs, outputs) -> tuple:
+        return (profile, *((n, tuple(t.shape), t.data_ptr()) for n, t in (*inputs.items(), *outputs.items())))
+
+    def replay(self, profile: int, inputs, outputs) -> bool:
+        graph = self.graphs.get(self._signature(profile, inputs, outputs))
+        if graph is None:
+            return False
+        with torch.cuda.stream(self.engine.stream):
+            graph.replay()
+        return True
+
+    def seen(self, profile: int, inputs, outputs) -> None:
+        """After an uncaptured run: the first time, remember the signature; the second, capture."""
+        key = self._signature(profile, inputs, outputs)
+        if key not in self.graphs:
+            if len(self.graphs) >= self.keep:
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[key] = None
+            return
+        if key in self.refused:
+            return
+        graph = torch.cuda.CUDAGraph()
+        stream = self.engine.stream
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                if not self.engine.contexts[profile].execute_async_v3(stream.cuda_stream):
+                    raise RuntimeError("execute_async_v3 failed during capture")
+        except RuntimeError as exc:   # TensorRT or CUDA refused: this call shape stays uncaptured
+            self.refused.add(key)
+            self.engine.logger.log(trt.Logger.WARNING, f"{self.engine.path}: CUDA graph capture refused ({exc}); "
+                                                       f"running this call shape without one")
+            return
+        self.graphs[key] = graph
+
+
 def _cuda(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(device="cuda", dtype=dtype).contiguous()
 
@@ -152,8 +232,9 @@ def _profile(engine: Engine, shapes: dict[str, tuple], tokens: int) -> int:
 
 
 class TrtTarget(TargetBackend):
-    def __init__(self, plan: str | Path, max_context: int, stream: torch.cuda.Stream | None = None):
-        self.engine = Engine(plan, stream)
+    def __init__(self, plan: str | Path, max_context: int, stream: torch.cuda.Stream | None = None,
+                 cuda_graphs: bool = False):
+        self.engine = Engine(plan, stream, cuda_graphs)
         e = self.engine
         self.num_layers = sum(1 for n in e.inputs if n.startswith("past_key_"))
         lo, _, _ = e.profile_range(0, "past_key_0")
@@ -184,8 +265,9 @@ class TrtTarget(TargetBackend):
 
 
 class TrtDrafter(DrafterBackend):
-    def __init__(self, plan: str | Path, shape: TreeShape, stream: torch.cuda.Stream | None = None):
-        self.engine = Engine(plan, stream)
+    def __init__(self, plan: str | Path, shape: TreeShape, stream: torch.cuda.Stream | None = None,
+                 cuda_graphs: bool = False):
+        self.engine = Engine(plan, stream, cuda_graphs)
         lo, _, _ = self.engine.profile_range(0, "past_key")
         self.kv_heads, self.head_dim = lo[1], lo[3]
         self.dtype = self.engine.dtypes["past_key"]
@@ -207,4 +289,4 @@ class TrtDrafter(DrafterBackend):
         return tree_from_outputs(outputs), outputs["new_key"], outputs["new_value"]
 
 
-__all__ = ["Engine", "TrtDrafter", "TrtTarget"]
+__all__ = ["CallGraphs", "Engine", "TrtDrafter", "TrtTarget"]
