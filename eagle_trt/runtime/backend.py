@@ -30,7 +30,8 @@ class _Batched:
     so a call binds every row of the cache (`width` = capacity; rows beyond a sequence's length
     are masked), at any batch size: the bound shapes then change only when the cache grows (every
     CHUNK rows), so a backend can keep its bindings from call to call. PyTorch takes a strided
-    view: width = longest past."""
+    view: width = longest past. Either way a call whose sequences have no committed rows (a
+    prefill) binds width 0."""
     contiguous_past = True
     cache: KVCache | None = None
 
@@ -69,7 +70,11 @@ class _Batched:
             raise ValueError("a forward pass needs at least one sequence (add_sequence first)")
         self.cache.stage(slots, T)
         lengths = torch.tensor([self.cache.lengths[b] for b in slots], dtype=torch.int64)
-        width = self.cache.capacity if self.contiguous_past else int(lengths.max())
+        # Sequences with nothing committed yet (a prefill) bind no past at all: not the masked
+        # rows of a cache that other sequences have grown (a TensorRT prefill profile stops at
+        # its max_past, and those rows would only be read to be masked).
+        empty = not any(self.cache.lengths[b] for b in slots)
+        width = 0 if empty else self.cache.capacity if self.contiguous_past else int(lengths.max())
         return slots, lengths, width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:
