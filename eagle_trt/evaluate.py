@@ -43,7 +43,7 @@ class WorkloadResult:
     mean_accept_length: float
     accepted_at_least: list[float]        # [d-1]: share of calls with >= d drafts accepted
     conditional: list[float]              # [d-1]: P(>= d accepted | >= d-1 accepted)
-    seconds: float
+    seconds: float                        # decoding; of the runs sharing a prefill, the first pays for it
     tree: list[int]                       # depth, top-k, total tokens
     tokens: list[list[int]] = field(default_factory=list, repr=False)
 
