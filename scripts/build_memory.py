@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {precision}: exit {m['exit']}, {m['seconds']:.0f} s, peak RSS {m['peak_rss_bytes'] / 1e9:.2f} GB "
               f"= {m['peak_over_fp32_weights']:.2f}x the fp32 weights (anonymous, sampled: "
               f"{m['peak_anonymous_bytes'] / 1e9:.2f} GB)", flush=True)
-    report = {"target": str(target), "shape": SHAPE | {"num_hidden_layers": args.layers}, "parameters": params, "fp32_weight_bytes": fp32_bytes,
-              "threads": args.threads, "builds": rows}
+    report = {"target": str(target), "shape": SHAPE | {"num_hidden_layers": args.layers}, "parameters": params,
+              "fp32_weight_bytes": fp32_bytes, "threads": args.threads, "builds": rows}
     (args.out / "memory.json").write_text(json.dumps(report, indent=2))
     print(f"{'precision':<10}{'stage':<10}{'seconds':>9}{'peak RSS GB':>13}{'x fp32 weights':>16}{'anonymous GB':>14}")
     for m in rows:
