@@ -105,14 +105,11 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
     """Swap the model's nn.Linear modules for QuantLinear in place, as `cfg` says; `amax` maps
     module path -> calibrated input amax (`source` names where it came from, for errors)."""
     summary = QuantSummary(cfg.format)
-    todo = []
-    for path, linear in linear_paths(model).items():
-        reason = cfg.skip_reason(path, linear.in_features)
-        if reason is None:
-            todo.append(path)
-        else:
-            summary.skipped[path] = reason
-    linear = None   # by path only from here: each replaced Linear's float weight is freed as it goes
+    # By path only (a comprehension holds no Linear afterwards): each replaced Linear's float
+    # weight is freed as it goes.
+    reasons = {path: cfg.skip_reason(path, linear.in_features) for path, linear in linear_paths(model).items()}
+    todo = [path for path, reason in reasons.items() if reason is None]
+    summary.skipped.update((path, reason) for path, reason in reasons.items() if reason is not None)
     check_amax(amax, todo, source)
     for path in todo:
         parent_path, _, name = path.rpartition(".")

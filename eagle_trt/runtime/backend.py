@@ -73,8 +73,8 @@ class _Batched:
         # Sequences with nothing committed yet (a prefill) bind no past at all: not the masked
         # rows of a cache that other sequences have grown (a TensorRT prefill profile stops at
         # its max_past, and those rows would only be read to be masked).
-        empty = not any(self.cache.lengths[b] for b in slots)
-        width = 0 if empty else self.cache.capacity if self.contiguous_past else int(lengths.max())
+        longest = int(lengths.max())
+        width = self.cache.capacity if self.contiguous_past and longest else longest
         return slots, lengths, width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:

@@ -128,12 +128,12 @@ class Engine:
         current = torch.cuda.current_stream()
         if self.stream != current:        # a stream of its own: ordered against torch's on the GPU
             self.stream.wait_stream(current)
-        replayed = self.graphs is not None and self.graphs.replay(profile, inputs, outputs)
-        if not replayed:
+        signature = None if self.graphs is None else self.graphs.signature(profile, inputs, outputs)
+        if signature is None or not self.graphs.replay(signature):
             if not context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError(f"{self.path}: execute_async_v3 failed (see the TensorRT log)")
-            if self.graphs is not None:
-                self.graphs.seen(profile, inputs, outputs)
+            if signature is not None:
+                self.graphs.seen(signature, profile)
         if self.stream != current:
             current.wait_stream(self.stream)
             for t in outputs.values():    # made on torch's stream, written on ours: not reused too early
@@ -182,20 +182,21 @@ class CallGraphs:
             buf.copy_(inputs[name], non_blocking=True)
         return {**inputs, **own}
 
-    def _signature(self, profile: int, inputs, outputs) -> tuple:
+    @staticmethod
+    def signature(profile: int, inputs, outputs) -> tuple:
+        """What a captured graph depends on: the profile, every tensor's shape and address."""
         return (profile, *((n, tuple(t.shape), t.data_ptr()) for n, t in (*inputs.items(), *outputs.items())))
 
-    def replay(self, profile: int, inputs, outputs) -> bool:
-        graph = self.graphs.get(self._signature(profile, inputs, outputs))
+    def replay(self, key: tuple) -> bool:
+        graph = self.graphs.get(key)
         if graph is None:
             return False
         with torch.cuda.stream(self.engine.stream):
             graph.replay()
         return True
 
-    def seen(self, profile: int, inputs, outputs) -> None:
-        """After an uncaptured run: the first time, remember the signature; the second, capture."""
-        key = self._signature(profile, inputs, outputs)
+    def seen(self, key: tuple, profile: int) -> None:
+        """After an uncaptured run of signature `key`: the first time, remember it; the second, capture."""
         if key not in self.graphs:
             if len(self.graphs) >= self.keep:
                 self.graphs.pop(next(iter(self.graphs)))
