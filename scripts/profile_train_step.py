@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from eagle_trt.checkpoints import load_drafter, load_target
-from eagle_trt.devices import resolve_device
+from eagle_trt.devices import cpu_has_bf16, resolve_device
+from eagle_trt.train.__main__ import distilled_features
 from eagle_trt.train.features import OnlineFeatures
 from eagle_trt.train.regenerate import DistillSet
 from eagle_trt.train.ttt import TrainConfig, autocast, batch_indices, fetch_batch, sample_anchors, ttt_forward
@@ -32,6 +33,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--ttt-share", type=float, default=0.5)
+    p.add_argument("--length-groups", type=int, default=1, help="as train's --length-groups (1: off)")
+    p.add_argument("--features", choices=("online", "cache"), default="online",
+                   help="online: the batch's target forward in the step (the GPU path); cache: read the "
+                        "distillation set's feature cache (the CPU legs' path; computed first where missing)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after one untimed warm-up step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -46,10 +51,12 @@ def main() -> None:
     drafter = load_drafter(args.drafter, target, torch.float32).to(device)
     variant = "eagle3.1" if drafter.cfg.norm_output else "eagle3"
     dset = DistillSet(Path(args.distill))
-    store = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], drafter.cfg.capture_for(target.config),
-                           "bfloat16")
+    capture = drafter.cfg.capture_for(target.config)
+    store = (OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, "bfloat16")
+             if args.features == "online" else distilled_features(target, capture, Path(args.distill), "bfloat16"))
     cfg = TrainConfig(variant=variant, ttt_steps=args.ttt_steps, batch_size=args.batch_size, ttt_share=args.ttt_share,
-                      autocast="bf16" if device.type == "cuda" else "none", freeze_head=True)
+                      autocast="bf16" if device.type == "cuda" or cpu_has_bf16() else "none", freeze_head=True,
+                      length_groups=args.length_groups)
     head = drafter.lm_head.weight.detach()
     drafter.lm_head.weight.requires_grad_(False)
     drafter.train()
@@ -68,8 +75,9 @@ def main() -> None:
 
     def step(i: int) -> None:
         nonlocal tokens, padded
-        ids = batch_indices(i, list(range(len(store))), cfg)
-        batch = timed("target forward (fetch_batch)", lambda: fetch_batch(store, ids))
+        ids = batch_indices(i, list(range(len(store))), cfg, store.lengths)
+        batch = timed("target forward (fetch_batch)" if args.features == "online" else "read + collate (fetch_batch)",
+                      lambda: fetch_batch(store, ids))
         anchors = timed("anchors (sample_anchors)", lambda: sample_anchors(batch, cfg.ttt_share, 0, i))
         with autocast(drafter, cfg):
             out = timed("TTT forward", lambda: ttt_forward(drafter, batch, head, cfg.ttt_steps, True, anchors=anchors))
@@ -96,7 +104,8 @@ def main() -> None:
     wall = time.perf_counter() - wall
     total = sum(spent.values())
     print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {variant}, batch "
-          f"{args.batch_size}, TTT {args.ttt_steps} x share {args.ttt_share}: {tokens / wall:.0f} tokens/s "
+          f"{args.batch_size}, TTT {args.ttt_steps} x share {args.ttt_share}, length groups {args.length_groups}, "
+          f"{args.features} features: {tokens / wall:.0f} tokens/s "
           f"({padded / wall:.0f} padded), {1e3 * wall / args.steps:.1f} ms per step")
     for name, s in spent.items():
         print(f"  {name:<30} {1e3 * s / args.steps:9.1f} ms  {s / total:6.1%}")

@@ -18,7 +18,7 @@ from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressiv
 from eagle_trt.train import features as features_mod
 from eagle_trt.train.data import DataConfig, DataError, MTBenchGuard, Sample, iter_json_array, load_samples, to_messages
 from eagle_trt.train.features import FeatureConfig, FeatureError, FeatureStore, extract_features
-from eagle_trt.train.ttt import TrainConfig, TrainError, collate, new_drafter, train, ttt_forward
+from eagle_trt.train.ttt import TrainConfig, TrainError, batch_indices, collate, new_drafter, train, ttt_forward
 from eagle_trt.train.vocab import DraftVocab, build_draft_vocab, count_tokens
 
 VOCAB, DRAFT_VOCAB = 96, 64
@@ -274,8 +274,10 @@ def test_ttt_loss_decreases(trained, variant):
     assert saved["step"] == 40 and saved["config"]["variant"] == variant
 
 
-def test_resumed_run_reproduces_uninterrupted_trajectory(target, store, vocab, capture, tmp_path):
-    cfg = TrainConfig(variant="eagle3.1", steps=12, batch_size=3, lr=2e-3, warmup_steps=3, log_every=100, save_every=4)
+@pytest.mark.parametrize("length_groups", [1, 4])
+def test_resumed_run_reproduces_uninterrupted_trajectory(target, store, vocab, capture, tmp_path, length_groups):
+    cfg = TrainConfig(variant="eagle3.1", steps=12, batch_size=3, lr=2e-3, warmup_steps=3, log_every=100, save_every=4,
+                      length_groups=length_groups)
     head = head_rows(target, vocab)
     full = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head, cfg, tmp_path / "a", log=lambda _: None)
     first = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head, cfg, tmp_path / "b", stop_at=6,
@@ -289,7 +291,34 @@ def test_resumed_run_reproduces_uninterrupted_trajectory(target, store, vocab, c
     assert [e["acc"] for e in resumed.log] == [e["acc"] for e in full.log]
     with pytest.raises(TrainError, match="batch_size"):
         train(make_drafter(target, vocab, capture, "eagle3.1"), store, head,
-              TrainConfig(variant="eagle3.1", steps=12, batch_size=2), tmp_path / "b", resume=True)
+              TrainConfig(variant="eagle3.1", steps=12, batch_size=2, length_groups=length_groups), tmp_path / "b",
+              resume=True)
+    with pytest.raises(TrainError, match="length_groups"):
+        train(make_drafter(target, vocab, capture, "eagle3.1"), store, head,
+              dataclasses.replace(cfg, length_groups=length_groups + 1), tmp_path / "b", resume=True)
+
+
+def test_length_groups_regroup_the_same_sequences_with_less_padding():
+    """--length-groups G: the G batches of a group hold exactly the sequences the plain stream
+    gives those steps (each epoch still sees every sequence once), cut by length, so batches pad
+    far less; the choice is a pure function of (seed, step), and G = 1 is the plain stream."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(8, 512, (203,), generator=gen).tolist()
+    ids = list(range(200))                 # the last 3 held out, as train() does
+    plain, grouped = TrainConfig(batch_size=4), TrainConfig(batch_size=4, length_groups=16)
+    steps = range(3 * 16)
+    a = [batch_indices(i, ids, plain, lengths) for i in steps]
+    b = [batch_indices(i, ids, grouped, lengths) for i in steps]
+    assert a == [batch_indices(i, ids, plain) for i in steps]                 # lengths change nothing at G = 1
+    for g in range(3):
+        chunk = slice(16 * g, 16 * (g + 1))
+        assert sorted(sum(a[chunk], [])) == sorted(sum(b[chunk], []))
+    assert b == [batch_indices(i, ids, grouped, lengths) for i in steps]     # deterministic: resumable
+    assert b[:16] != sorted(b[:16], key=lambda batch: lengths[batch[0]])     # dealt out, not shortest first
+    padded = lambda batches: sum(len(x) * max(lengths[i] for i in x) for x in batches)  # noqa: E731
+    assert padded(b) < 0.75 * padded(a)
+    with pytest.raises(TrainError, match="length_groups"):
+        TrainConfig(length_groups=0).validate()
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
@@ -485,6 +514,44 @@ def test_online_batches_are_one_padded_forward_equal_to_the_collated_cache(targe
     assert fetch_batch(store, idx).ids.equal(cached.ids)
 
 
+def test_kept_online_features_skip_the_target_forward_and_train_the_same(target, capture, samples, store, vocab,
+                                                                          tmp_path):
+    """--keep-features-gb: a sequence's online features are computed once and kept on the device
+    (up to the budget); later batches read them, with the numbers of a fresh forward, so the run
+    trains as the uncached online run does, loss for loss."""
+    from eagle_trt.train.features import OnlineFeatures
+    from eagle_trt.train.ttt import fetch_batch
+    forwards = []
+    hook = target.model.norm.register_forward_hook(lambda _m, _i, out: forwards.append(out.shape[0]))
+    try:
+        one_token = 4 + 2 * capture_width(target) + 2 * target.config.hidden_size + 4
+        budget = one_token * (len(samples[5].ids) + len(samples[0].ids))     # room for two of the four
+        kept = OnlineFeatures(target, samples, capture, keep_bytes=budget)
+        idx = [5, 0, 9, 2]
+        first = fetch_batch(kept, idx)
+        assert set(kept.kept) == {5, 0} and kept.kept_bytes == budget and forwards == [4]
+        again = fetch_batch(kept, idx)
+        assert forwards == [4, 2]                      # only the two that did not fit ran again
+        fresh = fetch_batch(OnlineFeatures(target, samples, capture), idx)
+        for name in ("ids", "captured", "normed", "argmax", "pred_mask"):
+            assert torch.equal(getattr(first, name), getattr(fresh, name)), name
+            assert torch.equal(getattr(again, name), getattr(fresh, name)), name
+    finally:
+        hook.remove()
+    cfg = TrainConfig(variant="eagle3", steps=6, batch_size=3, lr=2e-3, warmup_steps=2, log_every=100, save_every=100)
+    head = head_rows(target, vocab)
+    plain = train(make_drafter(target, vocab, capture, "eagle3"), OnlineFeatures(target, samples, capture), head, cfg,
+                  tmp_path / "a", log=lambda _: None)
+    cached = train(make_drafter(target, vocab, capture, "eagle3"),
+                   OnlineFeatures(target, samples, capture, keep_bytes=10 ** 9), head, cfg, tmp_path / "b",
+                   log=lambda _: None)
+    assert [e["loss"] for e in cached.log] == [e["loss"] for e in plain.log]
+
+
+def capture_width(target) -> int:
+    return 3 * target.config.hidden_size
+
+
 def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys):
     """python -m eagle_trt.train, as on a GPU (online features, 5 TTT steps), here on the CPU:
     nothing cached on disk but the draft vocabulary, and a train log that records the device,
@@ -511,6 +578,11 @@ def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys)
     assert sorted(p.name for p in (tmp_path / "feat").iterdir()) == ["draft_vocab_64.safetensors"]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert main(["--target", str(folder), "--features", "online", "--features-only", "--device", "cpu"]) == 2
+    for bad in (["--features", "cache", "--keep-features-gb", "1"], ["--features", "online", "--keep-features-gb", "1e6"]):
+        assert main(["--target", str(folder), "--data", str(data), "--device", "cpu", "--out", str(tmp_path / "x")]
+                    + bad) == 2
+        assert "--keep-features-gb" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_greedy_batch_features_equal_a_full_forward(target, capture):

@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "online (computed in each training step on --device, nothing on disk); auto: online on "
                         "CUDA, cache on the CPU")
     p.add_argument("--features-dir", type=Path, default=None, help="target feature cache (shared between runs)")
+    p.add_argument("--keep-features-gb", type=float, default=0.0,
+                   help="with --features online: keep each sequence's features on the device once computed, up to "
+                        "this many GB (4.6 KB a token), so epochs after the first skip the target forward; 0 = off")
     p.add_argument("--extra-features-dir", type=Path, action="append", default=[],
                    help="another complete feature cache to train on as well (repeatable), e.g. one filled "
                         "with --features-only --data from `python -m eagle_trt.train.regenerate`")
@@ -82,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "cost; 1 = every position)")
     p.add_argument("--freeze-head", action="store_true",
                    help="keep lm_head at the target's rows of the draft vocabulary (no head gradient)")
+    p.add_argument("--length-groups", type=int, default=1,
+                   help="draw this many batches at once and cut them by sequence length, so each batch pads "
+                        "to similar lengths (padding is computed for nothing); 1 = off")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -129,6 +135,29 @@ def distilled_features(target, capture: CaptureLayers, folder: Path, precision: 
                             groups=chunks)
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """What the device can still hold: free CUDA memory, or the host's MemAvailable (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def keep_features_problem(gb: float, online: bool, device: torch.device) -> str | None:
+    """Why --keep-features-gb cannot be honoured here, or None."""
+    if gb < 0:
+        return "must be >= 0"
+    if not online:
+        return "features are kept only when computed online (--features online, or auto on CUDA)"
+    free = free_memory_bytes(device)
+    if free is not None and gb * 1e9 > 0.8 * free:
+        return f"more than 80% of what {device} has free ({free / 1e9:.1f} GB); training needs the rest"
+    return None
+
+
 def trained_cpu_seconds(drafter_dir: Path) -> float:
     """The training CPU seconds a drafter checkpoint has seen, from its train_log.json: the last
     entry's cpu_s, or (logs written before cpu_s existed) wall seconds times torch threads."""
@@ -169,6 +198,11 @@ def main(argv=None) -> int:
     info: dict = {"features_dir": str(feat_dir)}
     online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
                                            and not (args.features_only or args.extra_features_dir))
+    if args.keep_features_gb:
+        problem = keep_features_problem(args.keep_features_gb, online, device)
+        if problem:
+            print(f"error: --keep-features-gb {args.keep_features_gb:g}: {problem}", file=sys.stderr)
+            return 2
     if online and (args.features_only or args.extra_features_dir):
         print("error: --features online computes features during training: --features-only and "
               "--extra-features-dir need --features cache", file=sys.stderr)
@@ -178,7 +212,8 @@ def main(argv=None) -> int:
         if args.distill and online:      # the committed token ids, features computed per batch
             dset = DistillSet(args.distill)
             dset.check_target(target)
-            distilled = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, args.feature_precision)
+            distilled = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, args.feature_precision,
+                                       keep_bytes=int(args.keep_features_gb * 1e9))
             print(f"data: {len(distilled)} distilled sequences, {distilled.tokens} tokens; target features online on {device}")
         elif args.distill:
             distilled = distilled_features(target, capture, args.distill, args.feature_precision)
@@ -197,7 +232,7 @@ def main(argv=None) -> int:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")
         info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
-        store = OnlineFeatures(target, samples, capture, args.feature_precision)
+        store = OnlineFeatures(target, samples, capture, args.feature_precision, keep_bytes=int(args.keep_features_gb * 1e9))
     elif features_complete(feat_dir, data_key):
         print(f"features: complete cache in {feat_dir}")
         store = FeatureStore(feat_dir)
@@ -283,7 +318,7 @@ def main(argv=None) -> int:
     amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
-                      ttt_share=args.ttt_share, freeze_head=args.freeze_head,
+                      ttt_share=args.ttt_share, freeze_head=args.freeze_head, length_groups=args.length_groups,
                       log_every=args.log_every, save_every=args.save_every, eval_sequences=args.eval_sequences)
     info["device"] = {"device": str(device), "autocast": amp,
                       "name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}

@@ -256,13 +256,17 @@ class OnlineFeatures:
     serves them; the numbers equal the cache's (same fp16 rounding), so a run trains the same
     either way."""
 
-    def __init__(self, target: LoadedTarget, samples: list[Sample], capture: CaptureLayers, precision: str = "float32"):
+    def __init__(self, target: LoadedTarget, samples: list[Sample], capture: CaptureLayers, precision: str = "float32",
+                 keep_bytes: int = 0):
         self.model, self.precision = target.model.eval(), precision
         self.model.set_capture(capture)
         self.samples, self.folder = samples, Path("<online>")
         self.identity = target_identity(target, capture)
         self.lengths = [len(s.ids) for s in samples]
         self.precisions = [precision] * len(samples)
+        # keep_bytes > 0: each sequence's features stay on the device once computed (up to this
+        # many bytes, 4.6 KB a token), so epochs after the first skip the target forward
+        self.keep_bytes, self.kept, self.kept_bytes = keep_bytes, {}, 0
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -279,11 +283,32 @@ class OnlineFeatures:
         """A batch's features from one padded target forward (what a GPU needs to be busy), plus
         the loss masks [B, T] bool; training reads this instead of collating get() per sequence."""
         samples = [self.samples[i] for i in indices]
-        out = padded_features(self.model, [s.ids for s in samples], [s.sample_id for s in samples], self.precision)
+        if self.keep_bytes:
+            out = self._padded_from_kept(indices)
+        else:
+            out = padded_features(self.model, [s.ids for s in samples], [s.sample_id for s in samples], self.precision)
         mask = torch.zeros(out["ids"].shape, dtype=torch.bool)
         for b, s in enumerate(samples):
             mask[b, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
         return out | {"mask": mask.to(out["ids"].device), "tokens": sum(len(s.ids) for s in samples)}
+
+    def _padded_from_kept(self, indices: list[int]) -> dict:
+        """padded() through the kept features: one target forward for the sequences not kept
+        yet (kept from then on while keep_bytes allows), the batch padded from per-sequence rows."""
+        missing = [i for i in dict.fromkeys(indices) if i not in self.kept]
+        fresh: dict[int, dict] = {}
+        if missing:
+            f = padded_features(self.model, [self.samples[i].ids for i in missing],
+                                [self.samples[i].sample_id for i in missing], self.precision)
+            for b, i in enumerate(missing):
+                row = {k: v[b, :self.lengths[i]] for k, v in f.items()}
+                size = sum(v.numel() * v.element_size() for v in row.values())
+                if self.kept_bytes + size <= self.keep_bytes:
+                    row = {k: v.clone() for k, v in row.items()}     # not a view of the whole batch
+                    self.kept[i], self.kept_bytes = row, self.kept_bytes + size
+                fresh[i] = row
+        rows = [self.kept.get(i) or fresh[i] for i in indices]
+        return {k: torch.nn.utils.rnn.pad_sequence([r[k] for r in rows], batch_first=True) for k in rows[0]}
 
     @property
     def tokens(self) -> int:

@@ -64,11 +64,12 @@ class TrainConfig:
     mask_out_of_vocab: bool = True   # skip positions whose target top-1 is not in the draft vocabulary
     ttt_share: float = 1.0           # share of positions unrolled past step 0 (anchored TTT; 1 = all)
     freeze_head: bool = False        # lm_head stays the target's rows of the draft vocabulary
+    length_groups: int = 1           # batches drawn together and cut by length (less padding; 1 = off)
 
     def validate(self) -> TrainConfig:
         if self.variant not in ("eagle3", "eagle3.1"):
             raise TrainError(f"variant must be 'eagle3' or 'eagle3.1', got {self.variant!r}")
-        for name in ("ttt_steps", "steps", "batch_size", "log_every", "save_every"):
+        for name in ("ttt_steps", "steps", "batch_size", "log_every", "save_every", "length_groups"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -81,7 +82,7 @@ class TrainConfig:
 
     # Options that change the trajectory: a resumed run must keep them.
     TRAJECTORY_KEYS = ("variant", "ttt_steps", "step_decay", "batch_size", "seed", "eval_sequences",
-                       "mask_out_of_vocab", "weight_decay", "ttt_share", "freeze_head")
+                       "mask_out_of_vocab", "weight_decay", "ttt_share", "freeze_head", "length_groups")
 
 
 # ----------------------------------------------------------------------------- model setup
@@ -305,14 +306,27 @@ def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_indices(step: int, train_ids: list[int], cfg: TrainConfig) -> list[int]:
+def batch_indices(step: int, train_ids: list[int], cfg: TrainConfig, lengths: list[int] | None = None) -> list[int]:
     """The sequences of a step: a pure function of (seed, step), so a resumed run sees the
-    same batches as an uninterrupted one. Each epoch is a fresh seeded permutation."""
+    same batches as an uninterrupted one. Each epoch is a fresh seeded permutation.
+    cfg.length_groups = G > 1 (with `lengths`, indexed like the store): the G batches of steps
+    G*g .. G*g+G-1 are drawn as one, sorted by length, cut into G batches and dealt out in a
+    seeded order, so a batch pads to similar lengths (the padded tokens are computed for nothing)."""
+    B, G = cfg.batch_size, cfg.length_groups
+    if G <= 1 or lengths is None:
+        return _stream(step * B, B, train_ids, cfg.seed)
+    group, slot = divmod(step, G)
+    drawn = sorted(_stream(group * G * B, G * B, train_ids, cfg.seed), key=lambda i: lengths[i])
+    order = torch.randperm(G, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + group + 11)).tolist()
+    return drawn[order[slot] * B:(order[slot] + 1) * B]
+
+
+def _stream(first: int, count: int, train_ids: list[int], seed: int) -> list[int]:
+    """Entries first .. first+count-1 of the endless sequence of seeded epoch permutations."""
     n, out = len(train_ids), []
-    first = step * cfg.batch_size
-    for flat in range(first, first + cfg.batch_size):
+    for flat in range(first, first + count):
         epoch, i = divmod(flat, n)
-        out.append(train_ids[_epoch_order(cfg.seed, epoch, n)[i]])
+        out.append(train_ids[_epoch_order(seed, epoch, n)[i]])
     return out
 
 
@@ -437,7 +451,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
                 log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
                 break
-            batch = fetch_batch(store, batch_indices(step, train_ids, cfg))
+            batch = fetch_batch(store, batch_indices(step, train_ids, cfg, store.lengths))
             spent = (time.perf_counter() - start) / time_budget_s if schedule_over_budget and time_budget_s else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg, spent)
