@@ -5,9 +5,10 @@
 # Target features are computed online, one padded target forward per batch of sequences of
 # similar length, and kept on the GPU for later epochs (nothing on disk). Runs where the GPU is, e.g.
 #
-#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- RESULTS=$OUT bash scripts/gpu_train.sh
+#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3] [BENCH_MIN=2] \
+#         RESULTS=$OUT bash scripts/gpu_train.sh
 #
-# (what the session of 2026-11-26 ran; the device tool carries at most 64 MiB of tracked files
+# (the session of 2026-11-26 ran it so, before --length-groups, --keep-features-gb and BENCH_MIN; the device tool carries at most 64 MiB of tracked files
 # plus carried paths: `git rm --cached` the model.safetensors files not needed there, list them
 # in .git/info/exclude while the GGUF parts travel, then `git reset` them) and leaves
 # RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in 15 MB parts):
@@ -90,5 +91,12 @@ wait -n || status=1
 for variant in eagle3.1 eagle3; do echo "== $variant"; grep -E "eval at|budget|error|drafter:" "$RUNS/$variant.log" | tail -4; done
 (cd "$RUNS" && tar cf - eagle3.1/drafter eagle3.1/train_log.json eagle3.1.log eagle3/drafter eagle3/train_log.json \
   eagle3.log 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
+# Host work per iteration on this GPU (issue 22), when asked (BENCH_MIN minutes at most, after the
+# results are safe): bench's PyTorch-on-CUDA row, the shipped drafter, MT-bench, the default tree;
+# its ONNX Runtime rows run on this machine's CPUs. RESULTS/bench/bench.json has host_ms_per_iteration.
+if [ "${BENCH_MIN:-0}" != 0 ]; then
+  timeout "$(( ${BENCH_MIN%.*} * 60 ))" $PY -m eagle_trt.bench --device cuda --workloads mtbench --prompts 5 \
+    --max-new-tokens 64 --tree 3,2,4 --repeats 1 --threads 8 --out "$RESULTS/bench" 2>&1 | grep -v Warning | tail -25 || true
+fi
 ls -la "$RESULTS"
 exit $status
