@@ -319,6 +319,8 @@ def test_length_groups_regroup_the_same_sequences_with_less_padding():
     assert padded(b) < 0.75 * padded(a)
     with pytest.raises(TrainError, match="length_groups"):
         TrainConfig(length_groups=0).validate()
+    with pytest.raises(TrainError, match="lengths"):
+        batch_indices(0, ids, grouped)
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])

@@ -313,8 +313,10 @@ def batch_indices(step: int, train_ids: list[int], cfg: TrainConfig, lengths: li
     G*g .. G*g+G-1 are drawn as one, sorted by length, cut into G batches and dealt out in a
     seeded order, so a batch pads to similar lengths (the padded tokens are computed for nothing)."""
     B, G = cfg.batch_size, cfg.length_groups
-    if G <= 1 or lengths is None:
+    if G <= 1:
         return _stream(step * B, B, train_ids, cfg.seed)
+    if lengths is None:
+        raise TrainError(f"length_groups={G} needs the sequences' lengths (a store with .lengths)")
     group, slot = divmod(step, G)
     drawn = sorted(_stream(group * G * B, G * B, train_ids, cfg.seed), key=lambda i: lengths[i])
     order = torch.randperm(G, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + group + 11)).tolist()
@@ -451,7 +453,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
                 log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
                 break
-            batch = fetch_batch(store, batch_indices(step, train_ids, cfg, store.lengths))
+            batch = fetch_batch(store, batch_indices(step, train_ids, cfg, getattr(store, "lengths", None)))
             spent = (time.perf_counter() - start) / time_budget_s if schedule_over_budget and time_budget_s else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg, spent)
