@@ -255,12 +255,16 @@ class SpeculativeDecoder:
                                        lambda s: self.cost_model.time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
-        # outputs), and one transfer to the host of every path, length and token
+        # outputs), and one transfer to the host of every path, length and token (and, for the
+        # cost model, each node's rank in its tree)
         path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
         K = path_t.shape[1]
-        greedy = torch.cat((path_t, length_t[:, None], tokens_t), 1).tolist()
         observe = self.cost_model is not None and verified is not None
-        ranks = rank_desc(verified.scores).tolist() if observe else None   # each node's rank in its tree
+        parts = [path_t, length_t[:, None], tokens_t]
+        if observe:
+            parts.append(rank_desc(verified.scores).to(path_t.device, path_t.dtype))
+        greedy = torch.cat(parts, 1).tolist()
+        ranks_at = K + 1 + tokens_t.shape[1]
         for i, (row, s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling
             if sampling.greedy:
@@ -272,7 +276,7 @@ class SpeculativeDecoder:
             paths.append(path)
             news.append(new)
             if observe:
-                self.cost_model.observe([ranks[i][j - 1] for j in path[1:]], n)
+                self.cost_model.observe([row[ranks_at + j - 1] for j in path[1:]], n)
         self.target.commit(paths)
         if self.cost_model is not None:
             self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)
