@@ -71,16 +71,31 @@ def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float3
 
 
 def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTarget, prompts: list[list[int]],
-                max_new_tokens: int, threads: int | None, weights: str = "float32") -> list[dict]:
+                max_new_tokens: int, threads: int | None, weights: str = "float32", repeats: int = 2) -> list[dict]:
     """Speculative tokens/s of each tree shape on the same target session and prompts (kept apart
-    from the measured ones), fastest first. Only the drafter graph is exported per shape."""
-    rows = []
+    from the measured ones), fastest first. Only the drafter graph is exported per shape. The
+    shapes take turns on each prompt (the order reversed every other round) and each prompt's
+    fastest of `repeats` runs counts, so a drift of the machine's speed over the sweep does not
+    pick the shape that happened to run while it was fast."""
+    decoders = []
     for shape in candidates:
         drafter = OrtDrafter(drafter_graph(models, shape, folder, weights), shape, threads)
-        decoder = SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size)
-        with decoding_threads():
-            decoder.generate(prompts[0], 8)
-            runs = [decoder.generate(ids, max_new_tokens) for ids in prompts]
+        decoders.append(SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size))
+    best: list[list] = [[None] * len(prompts) for _ in candidates]      # fastest run per shape and prompt
+    with decoding_threads():
+        for d in decoders:
+            d.generate(prompts[0], 8)
+        turn = 0
+        for _ in range(max(repeats, 1)):
+            for p, ids in enumerate(prompts):
+                order = list(range(len(decoders)))
+                for c in (order if turn % 2 == 0 else order[::-1]):
+                    run = decoders[c].generate(ids, max_new_tokens)
+                    if best[c][p] is None or run.seconds < best[c][p].seconds:
+                        best[c][p] = run
+                turn += 1
+    rows = []
+    for shape, runs in zip(candidates, best):
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
         accepts = [a for r in runs for a in r.accept_lengths]
         rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens], "tokens_per_second": tokens / seconds,
@@ -306,9 +321,10 @@ def main(argv=None) -> int:
     target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)
     tree_sweep = []
     if len(candidates) > 1:
-        print(f"tree sweep on {len(sweep)} held-out MT-bench prompts:", file=sys.stderr)
+        print(f"tree sweep on {len(sweep)} held-out MT-bench prompts, shapes taking turns, fastest of "
+              f"{args.repeats} per prompt:", file=sys.stderr)
         tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads,
-                                 args.drafter_weights)
+                                 args.drafter_weights, args.repeats)
     shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
     eos = models.eos_ids
     ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
