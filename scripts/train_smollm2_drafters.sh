@@ -63,7 +63,7 @@ for variant in $VARIANTS; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
         --distill "$DATA" --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps "$WARMUP" \
-        --ttt-steps 3 --ttt-share 0.25 --freeze-head --length-groups 16 --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
+        --ttt-steps 5 --ttt-share 0.25 --freeze-head --length-groups 16 --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
         --time-budget-min "$TRAIN_MIN" --schedule budget --feature-precision "$FEATURE_PRECISION" > "$RUN/$variant.log" 2>&1 &
 done
 wait
