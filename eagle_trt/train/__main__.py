@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     info: dict = {"features_dir": str(feat_dir)}
     online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
                                            and not (args.features_only or args.extra_features_dir))
+    keep_bytes = int(args.keep_features_gb * 1e9)     # online features kept on the device (0: none)
     if args.keep_features_gb:
         problem = keep_features_problem(args.keep_features_gb, online, device)
         if problem:
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
             dset = DistillSet(args.distill)
             dset.check_target(target)
             distilled = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, args.feature_precision,
-                                       keep_bytes=int(args.keep_features_gb * 1e9))
+                                       keep_bytes=keep_bytes)
             print(f"data: {len(distilled)} distilled sequences, {distilled.tokens} tokens; target features online on {device}")
         elif args.distill:
             distilled = distilled_features(target, capture, args.distill, args.feature_precision)
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")
         info["data_stats"] = {k: v for k, v in asdict(stats).items() if k != "rejected_ids"}
-        store = OnlineFeatures(target, samples, capture, args.feature_precision, keep_bytes=int(args.keep_features_gb * 1e9))
+        store = OnlineFeatures(target, samples, capture, args.feature_precision, keep_bytes=keep_bytes)
     elif features_complete(feat_dir, data_key):
         print(f"features: complete cache in {feat_dir}")
         store = FeatureStore(feat_dir)
