@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from eagle_trt.checkpoints import CheckpointError, load_drafter, load_target
-from eagle_trt.devices import cpu_has_bf16
 from eagle_trt.train.__main__ import distilled_features
-from eagle_trt.train.ttt import TrainConfig, evaluate
+from eagle_trt.train.ttt import TrainConfig, auto_autocast, evaluate
 
 
 def main(argv=None) -> int:
@@ -40,8 +39,7 @@ def main(argv=None) -> int:
         store = distilled_features(target, drafter.cfg.capture_for(target.config), args.eval_distill)
         variant = "eagle3.1" if drafter.cfg.norm_output else "eagle3"
         # the training runs evaluate under the autocast they train with (bf16 on these CPUs)
-        cfg = TrainConfig(variant=variant, ttt_steps=args.ttt_steps,
-                          autocast="bf16" if cpu_has_bf16() else "none")
+        cfg = TrainConfig(variant=variant, ttt_steps=args.ttt_steps, autocast=auto_autocast(drafter.fc.weight.device))
         used = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
         out = evaluate(drafter, store, list(range(len(store))), head[used].clone(), cfg)
         print(f"{folder}: {variant}, {len(store)} sequences, {store.tokens} tokens, {args.ttt_steps} TTT steps\n"

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from eagle_trt.checkpoints import load_drafter, load_target
-from eagle_trt.devices import cpu_has_bf16, resolve_device
+from eagle_trt.devices import resolve_device
 from eagle_trt.train.__main__ import distilled_features
 from eagle_trt.train.features import OnlineFeatures
 from eagle_trt.train.regenerate import DistillSet
-from eagle_trt.train.ttt import TrainConfig, autocast, batch_indices, fetch_batch, sample_anchors, ttt_forward
+from eagle_trt.train.ttt import TrainConfig, auto_autocast, autocast, batch_indices, fetch_batch, sample_anchors, ttt_forward
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     store = (OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, "bfloat16")
              if args.features == "online" else distilled_features(target, capture, Path(args.distill), "bfloat16"))
     cfg = TrainConfig(variant=variant, ttt_steps=args.ttt_steps, batch_size=args.batch_size, ttt_share=args.ttt_share,
-                      autocast="bf16" if device.type == "cuda" or cpu_has_bf16() else "none", freeze_head=True,
+                      autocast=auto_autocast(device), freeze_head=True,
                       length_groups=args.length_groups)
     head = drafter.lm_head.weight.detach()
     drafter.lm_head.weight.requires_grad_(False)

@@ -25,13 +25,13 @@ import torch
 
 from ..checkpoints import CheckpointError, cache_dir, load_drafter, load_target, save_drafter
 from ..config import CaptureLayers, ConfigError
-from ..devices import add_device_options, cpu_has_bf16, resolve_device
+from ..devices import add_device_options, resolve_device
 from .data import DataConfig, load_samples
 from .features import (MANIFEST, PRECISIONS, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures,
                        atomic_json, extract_features, tokens_by_precision)
 from .regenerate import DistillError, DistillSet, set_digest
 from .regenerate import features_dir as distill_features_dir
-from .ttt import INITS, TrainConfig, new_drafter, train
+from .ttt import INITS, TrainConfig, auto_autocast, new_drafter, train
 from .vocab import DraftVocab, build_draft_vocab, count_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         print(f"init: weights and draft vocabulary of {args.init_from} ({start_cpu_s / 3600:.2f} CPU hours of training)")
         del start
     del target, m   # from here on: the embedding and head rows (and, with online features, the store's model)
-    amp = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" or cpu_has_bf16() else "none")
+    amp = args.autocast if args.autocast != "auto" else auto_autocast(device)
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
                       ttt_share=args.ttt_share, freeze_head=args.freeze_head, length_groups=args.length_groups,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..config import CaptureLayers, DrafterConfig, TargetConfig
+from ..devices import cpu_has_bf16
 from ..models.drafter import EagleDrafter
 from ..models.target import causal_mask
 from .features import FeatureStore
@@ -354,6 +355,12 @@ class TrainResult:
     finished: bool
 
 
+def auto_autocast(device: torch.device) -> str:
+    """The autocast `--autocast auto` picks: bf16 on CUDA and on CPUs with native bf16
+    (AVX-512 BF16 / AMX), else none."""
+    return "bf16" if device.type == "cuda" or cpu_has_bf16() else "none"
+
+
 def autocast(drafter: EagleDrafter, cfg: TrainConfig):
     """bf16 autocast on the drafter's device when cfg.autocast says so; the weights, the
     optimizer state and the losses stay float32."""
@@ -507,4 +514,4 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
 
 
 __all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate", "fetch_batch",
-           "lr_at", "new_drafter", "sample_anchors", "train", "trainable_state", "ttt_forward", "autocast", "INITS", "init_from_target_layer"]
+           "lr_at", "new_drafter", "sample_anchors", "train", "trainable_state", "ttt_forward", "autocast", "auto_autocast", "INITS", "init_from_target_layer"]
