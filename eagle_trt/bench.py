@@ -40,6 +40,7 @@ from .devices import add_device_options, resolve_device, resolve_dtype, torch_dt
 from .evaluate import depth_rates
 from .export import export_pipeline
 from .runtime.backend import TorchDrafter, TorchTarget
+from .runtime.cost import NodeTrim
 from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
 from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
@@ -70,17 +71,21 @@ def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float3
     return export_pipeline(models, shape, sub, log=sys.stderr, only=(name,))[name]
 
 
-def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTarget, prompts: list[list[int]],
-                max_new_tokens: int, threads: int | None, weights: str = "float32", repeats: int = 2) -> list[dict]:
-    """Speculative tokens/s of each tree shape on the same target session and prompts (kept apart
-    from the measured ones), fastest first. Only the drafter graph is exported per shape. The
+def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, target: OrtTarget,
+                prompts: list[list[int]], max_new_tokens: int, threads: int | None, weights: str = "float32",
+                repeats: int = 2) -> list[dict]:
+    """Speculative tokens/s of each (tree shape, node trim) candidate on the same target session
+    and prompts (kept apart from the measured ones), fastest first. Only the drafter graph is
+    exported per shape. The
     shapes take turns on each prompt (the order reversed every other round) and each prompt's
     fastest of `repeats` runs counts, so a drift of the machine's speed over the sweep does not
     pick the shape that happened to run while it was fast."""
-    decoders = []
-    for shape in candidates:
-        drafter = OrtDrafter(drafter_graph(models, shape, folder, weights), shape, threads)
-        decoders.append(SpeculativeDecoder(target, drafter, models.eos_ids, models.target.config.vocab_size))
+    decoders, drafters = [], {}
+    for shape, trim in candidates:
+        if shape not in drafters:
+            drafters[shape] = OrtDrafter(drafter_graph(models, shape, folder, weights), shape, threads)
+        decoders.append(SpeculativeDecoder(target, drafters[shape], models.eos_ids, models.target.config.vocab_size,
+                                           trim=NodeTrim() if trim else None))
     best: list[list] = [[None] * len(prompts) for _ in candidates]      # fastest run per shape and prompt
     with decoding_threads():
         for d in decoders:
@@ -95,14 +100,20 @@ def sweep_trees(models, candidates: list[TreeShape], folder: Path, target: OrtTa
                         best[c][p] = run
                 turn += 1
     rows = []
-    for shape, runs in zip(candidates, best):
+    for (shape, trim), runs, decoder in zip(candidates, best, decoders):
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
         accepts = [a for r in runs for a in r.accept_lengths]
-        rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens], "tokens_per_second": tokens / seconds,
-                     "mean_accept_length": sum(accepts) / len(accepts)})
-        print(f"  tree {tuple(rows[-1]['tree'])}: {rows[-1]['tokens_per_second']:.1f} tok/s, "
-              f"accept {rows[-1]['mean_accept_length']:.2f}", file=sys.stderr, flush=True)
+        rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
+                     "tokens_per_second": tokens / seconds, "mean_accept_length": sum(accepts) / len(accepts),
+                     "mean_nodes_verified": sum(decoder.verified) / max(len(decoder.verified), 1)})
+        print(f"  {sweep_label(rows[-1])}: {rows[-1]['tokens_per_second']:.1f} tok/s, accept "
+              f"{rows[-1]['mean_accept_length']:.2f}, {rows[-1]['mean_nodes_verified']:.2f} nodes verified",
+              file=sys.stderr, flush=True)
     return sorted(rows, key=lambda r: -r["tokens_per_second"])
+
+
+def sweep_label(row: dict) -> str:
+    return f"tree {tuple(row['tree'])}" + (", trimmed" if row["node_trim"] else "")
 
 
 def peak_rss_gb() -> float:
@@ -269,6 +280,10 @@ def main(argv=None) -> int:
                    "fastest of --tree-candidates on --sweep-prompts MT-bench prompts not among the measured ones")
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=3)
+    p.add_argument("--node-trim", choices=("on", "off", "both"), default="on",
+                   help="on: verify per iteration only the tree nodes whose draft probability pays for their rows "
+                        "(runtime/cost.py NodeTrim); off: every node of the tree; both: --tree auto sweeps every "
+                        "shape both ways")
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each ONNX Runtime mode, alternating; "
                    "the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
@@ -288,7 +303,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
-        candidates = [parse_tree(t) for t in (args.tree_candidates if args.tree == "auto" else args.tree).split(";")]
+        shapes = [parse_tree(t) for t in (args.tree_candidates if args.tree == "auto" else args.tree).split(";")]
+        trims = {"on": [True], "off": [False], "both": [True, False]}[args.node_trim]
+        candidates = [(shape, trim) for shape in shapes for trim in trims]
         if args.threads:
             torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
@@ -316,7 +333,7 @@ def main(argv=None) -> int:
         return 2
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
     threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
-    graphs = export_pipeline(models, candidates[0], folder, log=sys.stderr, only=("target",))
+    graphs = export_pipeline(models, shapes[0], folder, log=sys.stderr, only=("target",))
     target_graph = graphs["target"]
     target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)
     tree_sweep = []
@@ -325,11 +342,11 @@ def main(argv=None) -> int:
               f"{args.repeats} per prompt:", file=sys.stderr)
         tree_sweep = sweep_trees(models, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads,
                                  args.drafter_weights, args.repeats)
-    shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else candidates[0]
+    shape, trim = (TreeShape(*tree_sweep[0]["tree"]), tree_sweep[0]["node_trim"]) if tree_sweep else candidates[0]
     eos = models.eos_ids
     ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
                            models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
-                           threads, target=target)
+                           threads, target=target, trim=trim)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
@@ -357,10 +374,12 @@ def main(argv=None) -> int:
               "drafter_weights": args.drafter_weights,
               "transformers_device": f"{device.type} {dtype}",
               "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
-              "tree": [shape.depth, shape.top_k, shape.total_tokens], "max_new_tokens": args.max_new_tokens,
+              "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
+              "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights), tree {tuple(report['tree'])}, "
+    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights), tree {tuple(report['tree'])}"
+          f"{', nodes trimmed' if trim else ''}, "
           f"{args.max_new_tokens} new tokens, "
           f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:
@@ -371,7 +390,7 @@ def main(argv=None) -> int:
         print(concurrency.format_table(concurrent))
     if tree_sweep:
         print("tree sweep (held-out MT-bench prompts, speculative tok/s): " + ", ".join(
-            f"{tuple(r['tree'])} {r['tokens_per_second']:.1f} (accept {r['mean_accept_length']:.2f})" for r in tree_sweep))
+            f"{sweep_label(r)} {r['tokens_per_second']:.1f} (accept {r['mean_accept_length']:.2f})" for r in tree_sweep))
     print(f"peak RSS {peak_rss_gb():.2f} GB")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "bench.json.tmp"

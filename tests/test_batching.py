@@ -8,12 +8,13 @@ import threading
 
 import pytest
 import torch
+from conftest import frozen_trim
 
 from eagle_trt.checkpoints import random_drafter
-from eagle_trt.config import SamplingConfig, TreeShape
+from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.cost import CallCosts, CostModel
+from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
@@ -82,6 +83,22 @@ def test_call_costs_interpolate_and_extend():
     assert costs(200) > costs(100)                                 # extended with the line's slope
     costs.add(400, 1.0, table=False)                               # a prefill informs only the line
     assert 400 not in costs.means
+
+
+def test_node_trim_verifies_the_nodes_that_pay_for_their_rows():
+    scores = torch.tensor([[0.9, 0.5, 0.2, 0.05, 0.01]]).log()
+    # 100 tok/s, 1.5 ms a row: a node pays for its row above p = 0.15
+    assert frozen_trim(per_row=0.0015).choose(scores, 5) == 3
+    assert frozen_trim(per_row=0.0015).choose(scores, 2) == 2          # never more than asked
+    assert frozen_trim(per_row=0.02).choose(scores, 5) == 1            # at least one node
+    assert frozen_trim(per_row=1e-9).choose(scores.to("meta"), 5) == 5  # rows free: scores never read
+    # a batch: rank j is verified when the batch's summed probabilities at rank j pay for B rows
+    pair = torch.tensor([[0.9, 0.5, 0.2, 0.05, 0.01], [0.9, 0.05, 0.04, 0.03, 0.02]]).log()
+    assert frozen_trim(per_row=0.0015).choose(pair, 5) == 2
+    # node order does not matter: ranks come from the scores
+    assert frozen_trim(per_row=0.0015).choose(scores[:, [4, 2, 0, 3, 1]], 5) == 3
+    fresh = NodeTrim()                                                    # warm-up: every node
+    assert fresh.choose(scores, 5) == 5
 
 
 def _model(per_row: float, fixed: float, accepted: list[float]) -> CostModel:
@@ -279,6 +296,24 @@ def test_cost_model_choices_keep_outputs_identical(setup):
             assert decoder.verified.count(0) > len(decoder.verified) // 2, decoder.verified
         else:
             assert decoder.verified.count(0) <= 3 * (len(decoder.verified) // 32 + 1), decoder.verified   # re-timing
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_node_trim_keeps_outputs_identical(setup, backend):
+    """Trees trimmed to the nodes that pay for their rows (sizes varying per iteration) decode
+    exactly what whole trees decode, alone and in batches."""
+    _, _, _, prompts = setup
+    target, drafter = _backends(setup, backend)
+    solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
+    sizes = set()
+    for batch, per_row in ((1, 1e-4), (1, 1e-5), (4, 1e-4)):
+        decoder = SpeculativeDecoder(target, drafter, [], trim=frozen_trim(per_row=per_row))
+        results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=batch)
+        assert [r.tokens for r in results] == solo
+        sizes |= set(decoder.verified)
+    assert len(sizes - {SHAPE.total_tokens}) >= 2, sizes            # trimmed trees of several sizes ran
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeDecoder(target, drafter, [], cost_model=CostModel(4, 6), trim=NodeTrim())
 
 
 def test_sampled_sequences_in_a_batch_follow_their_own_seeds(setup):

@@ -29,7 +29,7 @@ from ..models.target import causal_mask
 from ..tree import DraftTree, rank_desc
 from ..verify import accept_sampled, sample_token
 from .backend import DrafterBackend, TargetBackend
-from .cost import CostModel
+from .cost import CostModel, NodeTrim
 
 
 @dataclass
@@ -118,14 +118,19 @@ class Sequence:
 class SpeculativeDecoder:
     """drafter=None: plain autoregressive decoding through the same loop.
     cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
-    verifies every node of every tree (the right call for one sequence on any backend)."""
+    verifies every node of every tree.
+    trim: without a cost model, verify per iteration only the nodes whose scores pay for their
+    rows (runtime/cost.py NodeTrim): what the timed entry points use at one sequence."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
-                 vocab_size: int | None = None, cost_model: CostModel | None = None):
+                 vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None):
+        if cost_model is not None and trim is not None:
+            raise ConfigError("a decoder takes a cost model or a node trim, not both (the cost model picks n per batch)")
         self.target, self.drafter = target, drafter
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
         self.cost_model = cost_model
+        self.trim = trim if drafter is not None else None
         self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
         self.verified: list[int] = []         # draft nodes verified per sequence, per iteration
 
@@ -134,11 +139,17 @@ class SpeculativeDecoder:
         return self.drafter.shape.total_tokens if self.drafter is not None else 0
 
     def _timed(self, call, record):
+        if self.cost_model is None and self.trim is None:
+            return call()
         start = time.perf_counter()
         out = call()
-        if self.cost_model is not None:
-            record(time.perf_counter() - start)
+        record(time.perf_counter() - start)
         return out
+
+    def _time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
+        for timer in (self.cost_model, self.trim):
+            if timer is not None:
+                timer.time_target(rows, seconds, prefill)
 
     def reset(self) -> None:
         self.target.reset()
@@ -165,7 +176,7 @@ class SpeculativeDecoder:
         ids = torch.tensor([prompt], dtype=torch.int64)
         logits, captured = self._timed(
             lambda: self.target.forward(ids, torch.arange(n)[None], causal_mask(n, 0), here, last_only=True),
-            lambda s: self.cost_model.time_target(n, s, prefill=True))
+            lambda s: self._time_target(n, s, prefill=True))
         self.target.commit([list(range(n))])
         seq.result.target_calls = 1
         self.active.append(seq)
@@ -213,7 +224,7 @@ class SpeculativeDecoder:
             states = pad_sequence([s.pending_states[0] for s in batch], batch_first=True)
             ids = torch.tensor([s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch])
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
-                            lambda sec: self.cost_model.time_draft(len(batch), T, sec))
+                            lambda sec: self.cost_model and self.cost_model.time_draft(len(batch), T, sec))
         for s in batch:
             s.pending_states, s.pending_ids = [], []
             s.result.drafter_calls += 1
@@ -231,7 +242,6 @@ class SpeculativeDecoder:
             behind = [s for s in batch if self._backlog(s)]
             left = [s.request.max_new_tokens - len(s.result.tokens) for s in behind]
             n = self.cost_model.choose(B, sum(self._backlog(s) for s in behind), sum(left) // max(len(left), 1))
-        self.verified.append(n)
         roots = [s.result.tokens[-1] for s in batch]
         # the verified trees, where the drafter made them: every node, or each tree's n best (one
         # batched selection); the verification inputs are built there too, so on a GPU the only
@@ -239,7 +249,10 @@ class SpeculativeDecoder:
         verified = None
         if n > 0:
             full, catch_up = self._draft(batch)
+            if self.trim is not None:
+                n = self.trim.choose(full.scores, n)
             verified = full.top(n)
+        self.verified.append(n)
         dev = verified.tokens.device if verified is not None else torch.device("cpu")
 
         def tree(i: int) -> DraftTree:
@@ -252,7 +265,7 @@ class SpeculativeDecoder:
         else:                             # plain decoding: each root alone
             ids, positions, mask = roots_t, lengths[:, None], torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
         logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
-                                       lambda s: self.cost_model.time_target(B * (1 + n), s))
+                                       lambda s: self._time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
         # outputs), and one transfer to the host of every path, length and token (and, for the
@@ -280,6 +293,8 @@ class SpeculativeDecoder:
         self.target.commit(paths)
         if self.cost_model is not None:
             self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)
+        if self.trim is not None:
+            self.trim.time_iteration(sum(map(len, news)), time.perf_counter() - start - catch_up)
         finished = []
         kept = None
         if self.drafter is not None:   # what the drafter encodes when the batch next drafts: one gather for all

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import TreeShape
+from .cost import NodeTrim
 from .decoder import GenerationResult, SpeculativeDecoder, generate_autoregressive
 from .onnxruntime_backend import OrtDrafter, OrtTarget
 
@@ -82,13 +83,14 @@ class OrtDecoding:
 
     @classmethod
     def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
-             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None
-             ) -> OrtDecoding:
+             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
+             trim: bool = True) -> OrtDecoding:
         threads = ort_threads(threads)
         target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
         plain = OrtTarget(target_graph, max_context, threads, spin="always")
-        return cls(target, drafter, plain, SpeculativeDecoder(target, drafter, eos, vocab_size), eos)
+        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size, trim=NodeTrim() if trim else None)
+        return cls(target, drafter, plain, decoder, eos)
 
     def warm_up(self, ids: list[int], tokens: int = 8) -> None:
         with decoding_threads():
