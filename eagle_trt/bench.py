@@ -280,10 +280,10 @@ def main(argv=None) -> int:
                    "fastest of --tree-candidates on --sweep-prompts MT-bench prompts not among the measured ones")
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=3)
-    p.add_argument("--node-trim", choices=("on", "off", "both"), default="on",
+    p.add_argument("--node-trim", choices=("on", "off", "both"), default="off",
                    help="on: verify per iteration only the tree nodes whose draft probability pays for their rows "
-                        "(runtime/cost.py NodeTrim); off: every node of the tree; both: --tree auto sweeps every "
-                        "shape both ways")
+                        "(runtime/cost.py NodeTrim; no gain measured on a 2-core CPU with SmolLM2, see "
+                        "docs/benchmarks.md); off: every node of the tree; both: sweep every shape both ways")
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each ONNX Runtime mode, alternating; "
                    "the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")

@@ -60,18 +60,18 @@ def test_kv_cache_relayouts_reuse_storage_and_keep_rows():
         cache.commit([[0, 1]])
     assert cache.k.shape[1] == 8 and cache.lengths == [2] * 5
     cache.stage(range(4, 5), 3 * CHUNK)                            # more rows: a larger layout, zeroed
-    grown = cache.storage[0]
-    assert cache.capacity == 4 * CHUNK and grown.numel() >= cache.k.numel()
+    grown = cache.storage
+    assert cache.capacity == 4 * CHUNK and grown.numel() >= cache.kv.numel() == 2 * cache.k.numel()
     assert cache.k[:, :5, :, :2, 0].tolist() == [[[[b + 1.0] * 2] * 2 for b in range(5)]] * 2
     assert cache.v[1, 3, 0, :3, 0].tolist() == [-4, -4, 0]
     cache.remove(0)                                                # no more rows needed: the layout shrinks in place
     cache.remove(0)
     cache.remove(0)
-    assert cache.capacity == CHUNK and cache.storage[0] is grown
+    assert cache.capacity == CHUNK and cache.storage is grown
     assert cache.lengths == [2, 2] and cache.k[0, :2, 1, :2, 0].tolist() == [[3, 3], [2, 2]]   # each removal moved the last in
     cache.clear()                                                  # a fresh start keeps the storage
-    assert cache.storage[0] is grown and cache.lengths == [] and cache.k.shape[1] == 8
-    assert torch.isfinite(cache.storage[0]).all() and torch.isfinite(cache.storage[1]).all()
+    assert cache.storage is grown and cache.lengths == [] and cache.k.shape[1] == 8
+    assert torch.isfinite(cache.storage).all()
 
 
 def test_call_costs_interpolate_and_extend():

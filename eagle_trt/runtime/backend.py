@@ -118,7 +118,8 @@ class TargetBackend(_Batched):
 
     def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, logits_index: Tensor, slots: range,
              width: int) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
-        """One target-graph call: logits, captured, and the new K / V rows per layer [b, Hkv, T, D]."""
+        """One target-graph call: logits, captured, and the new K / V rows per layer [b, Hkv, T, D]
+        (or new_k the K and V rows of every layer as one [2, L, b, Hkv, T, D] block, new_v None)."""
         raise NotImplementedError
 
     def commit(self, rows: list[list[int]]) -> None:
@@ -153,13 +154,15 @@ class DrafterBackend(_Batched):
         new_lengths = new_lengths or [T] * len(slots)
         tree, new_k, new_v = self._run(captured, input_ids, lengths, torch.tensor(new_lengths, dtype=torch.int64),
                                        slots, width)
-        self.cache.write(new_k[None], new_v[None])   # the one cache layer, [1, b, Hkv, T, D]
+        # the one cache layer: [1, b, Hkv, T, D] each, or K and V as one [2, 1, b, Hkv, T, D] block
+        self.cache.write(new_k) if new_v is None else self.cache.write(new_k[None], new_v[None])
         self.cache.commit([list(range(n)) for n in new_lengths])
         return tree
 
     def _run(self, captured: Tensor, input_ids: Tensor, past_lengths: Tensor, new_lengths: Tensor, slots: range,
              width: int) -> tuple[DraftTree, Tensor, Tensor]:
-        """One drafter-tree call: the trees and the drafter KV rows of the T inputs [b, Hkv, T, D]."""
+        """One drafter-tree call: the trees and the drafter KV rows of the T inputs [b, Hkv, T, D]
+        (or new_k both as one [2, 1, b, Hkv, T, D] block, new_v None)."""
         raise NotImplementedError
 
 

@@ -120,7 +120,7 @@ class SpeculativeDecoder:
     cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
     verifies every node of every tree.
     trim: without a cost model, verify per iteration only the nodes whose scores pay for their
-    rows (runtime/cost.py NodeTrim): what the timed entry points use at one sequence."""
+    rows (runtime/cost.py NodeTrim; bench --node-trim)."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
                  vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None):

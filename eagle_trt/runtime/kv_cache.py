@@ -32,31 +32,32 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device=None, batch: int = 1):
         self.layout = (num_layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.k = self.v = None
-        self.storage: tuple[Tensor, Tensor] | None = None   # flat K / V storage the layouts are views of
+        self.kv = self.k = self.v = None      # kv [2, L, B, Hkv, S, D]; k, v = kv[0], kv[1]
+        self.storage: Tensor | None = None    # flat storage the layouts are views of
         self.owner = None                     # the backend that clears and reuses it (backend._new_cache)
         self.lengths: list[int] = []
         self._allocate(max(batch, 1), max(capacity, 1))
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
-        self.new_rows: tuple[Tensor, Tensor] | None = None   # the last forward's K / V rows [L, b, Hkv, T, D]
+        self.new_rows: Tensor | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
         """Lay the cache out as [L, batch, Hkv, rows, D], keeping every committed row."""
         L, H, D = self.layout
-        shape = (L, batch, H, rows, D)
+        shape = (2, L, batch, H, rows, D)    # K and V in one block: a commit copies both at once
         b, s = min(batch, len(self.lengths)), min(rows, max(self.lengths, default=0))
-        kept = (self.k[:, :b, :, :s].clone(), self.v[:, :b, :, :s].clone()) if b and s else None
+        kept = self.kv[:, :, :b, :, :s].clone() if b and s else None
         numel = math.prod(shape)
-        if self.storage is None or self.storage[0].numel() < numel:
+        if self.storage is None or self.storage.numel() < numel:
             size = numel
             if self.storage is not None:     # half again: the next chunks of rows fit without another one
-                size = max(numel, self.storage[0].numel() * 3 // 2)
+                size = max(numel, self.storage.numel() * 3 // 2)
                 self.storage = None          # let the old storage go before the new one is made
-            self.storage = tuple(torch.zeros(size, dtype=self.dtype, device=self.device) for _ in range(2))
-        self.k, self.v = (flat[:numel].view(shape) for flat in self.storage)
+            self.storage = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.kv = self.storage[:numel].view(shape)
+        self.k, self.v = self.kv[0], self.kv[1]
         if kept is not None:
-            self.k[:, :b, :, :s], self.v[:, :b, :, :s] = kept
+            self.kv[:, :, :b, :, :s] = kept
 
     def clear(self, capacity: int = CHUNK) -> None:
         """Drop every sequence; the storage stays for the next ones (no copy, no allocation
@@ -86,7 +87,7 @@ class KVCache:
         last = self.batch - 1
         if slot != last:
             n = self.lengths[last]
-            self.k[:, slot, :, :n], self.v[:, slot, :, :n] = self.k[:, last, :, :n], self.v[:, last, :, :n]
+            self.kv[:, :, slot, :, :n] = self.kv[:, :, last, :, :n]
             self.lengths[slot] = n
         self.lengths.pop()
         keep = -(-(max(self.lengths, default=0) + 1) // CHUNK) * CHUNK
@@ -109,12 +110,16 @@ class KVCache:
         when width is the capacity."""
         return self.k[layer, slots.start:slots.stop, :, :width], self.v[layer, slots.start:slots.stop, :, :width]
 
-    def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor) -> None:
+    def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor | None = None) -> None:
         """The staged rows ([b, Hkv, T, D] per layer, or all layers as one [L, b, Hkv, T, D]
-        tensor), kept as they are until `commit` copies the accepted ones into place: the caller
-        must not overwrite them before it commits (the backends' staging buffers are rewritten
-        only by their next call)."""
-        self.new_rows = tuple(new if isinstance(new, Tensor) else torch.stack(new) for new in (new_k, new_v))
+        tensor; new_v None: new_k is K and V as one [2, L, b, Hkv, T, D] block, as the graph
+        backends' staging buffers are), kept as they are until `commit` copies the accepted ones
+        into place: the caller must not overwrite them before it commits (the backends' staging
+        buffers are rewritten only by their next call)."""
+        if new_v is None:
+            self.new_rows = new_k
+        else:
+            self.new_rows = torch.stack([new if isinstance(new, Tensor) else torch.stack(new) for new in (new_k, new_v)])
 
     def _flat(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.k.device)
@@ -130,24 +135,22 @@ class KVCache:
             raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
-        new_k, new_v = self.new_rows
+        new = self.new_rows
         runs = _runs(rows[0]) if len(slots) == 1 else []
         if 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
             b, at = slots.start, self.lengths[slots.start]
-            for j, r in runs:                        # consecutive rows go in one copy
+            for j, r in runs:                        # consecutive rows of K and V go in one copy
                 n = len(r)
-                self.k[:, b, :, at + j:at + j + n] = new_k[:, 0, :, r[0]:r[0] + n]
-                self.v[:, b, :, at + j:at + j + n] = new_v[:, 0, :, r[0]:r[0] + n]
+                self.kv[:, :, b, :, at + j:at + j + n] = new[:, :, 0, :, r[0]:r[0] + n]
         elif any(rows):   # rows of (slot, head, row) flattened: index_select / index_copy_, 2x an indexed assignment
-            L, _, H, S, D = self.k.shape
-            T = new_k.shape[3]
-            heads = torch.arange(H, device=self.k.device)[None]
+            _, L, _, H, S, D = self.kv.shape
+            T = new.shape[4]
+            heads = torch.arange(H, device=self.kv.device)[None]
             src = self._flat([i * H * T + r for i, seq in enumerate(rows) for r in seq])[:, None] + heads * T
             dst = self._flat([b * H * S + self.lengths[b] + j for b, seq in zip(slots, rows)
                               for j in range(len(seq))])[:, None] + heads * S
-            for buf, new in ((self.k, new_k), (self.v, new_v)):
-                kept = new.to(buf.device).reshape(L, -1, D).index_select(1, src.view(-1))
-                buf.view(L, -1, D).index_copy_(1, dst.view(-1), kept)
+            kept = new.to(self.kv.device).reshape(2 * L, -1, D).index_select(1, src.view(-1))
+            self.kv.view(2 * L, -1, D).index_copy_(1, dst.view(-1), kept)
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None

@@ -241,7 +241,7 @@ class OrtTarget(_Timed, TargetBackend):
         if self.graph_accepts:
             self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
         self._run_graph(bound.io)
-        return out["logits"], out["captured"], bound.staging[0], bound.staging[1]
+        return out["logits"], out["captured"], bound.staging, None     # K and V rows as one block
 
 
 class OrtDrafter(_Timed, DrafterBackend):
@@ -278,4 +278,4 @@ class OrtDrafter(_Timed, DrafterBackend):
         bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width)
         bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
         self._run_graph(bound.io)
-        return tree_from_outputs(bound.buffers), bound.staging[0, 0], bound.staging[1, 0]
+        return tree_from_outputs(bound.buffers), bound.staging, None   # [2, 1, b, Hkv, T, D]

@@ -84,7 +84,7 @@ class OrtDecoding:
     @classmethod
     def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
              eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
-             trim: bool = True) -> OrtDecoding:
+             trim: bool = False) -> OrtDecoding:
         threads = ort_threads(threads)
         target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
