@@ -1,5 +1,7 @@
 """Copy trained drafters from their run folders into eagle_trt/drafters/ with a compact train log
-(the run's args, data, vocabulary and final eval, and the log entries of every 50th step).
+(the run's args, data, vocabulary and final eval, and the log entries of every 50th step). A run
+whose final held-out agreement (same held-out set, mean over the TTT steps both evaluated) is
+below the drafter it would replace is refused (exit 1, the run stays in its folder) unless --force.
 
     python scripts/ship_drafters.py ~/.cache/eagle_trt/runs/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3.1 \
         --note "400 steps on a 600-step schedule, then resumed to 800"
@@ -27,12 +29,38 @@ def compact_log(run: Path, every: int = 50) -> dict:
     return log
 
 
-def ship(run: Path, dest: Path, note: str | None) -> None:
+def held_out(log: dict) -> list[float] | None:
+    return (log.get("final_eval") or {}).get("eval_acc")
+
+
+def not_better(log: dict, dest: Path) -> str | None:
+    """Why the run should not replace the drafter shipped at `dest`: its final held-out agreement
+    (mean over the TTT steps both evaluated, on the same held-out set) is lower. None otherwise."""
+    old_path = dest / "train_log.json"
+    if not old_path.is_file():
+        return None
+    old = json.loads(old_path.read_text())
+    new_acc, old_acc = held_out(log), held_out(old)
+    same_set = log.get("args", {}).get("eval_distill") == old.get("args", {}).get("eval_distill")
+    if not (new_acc and old_acc and same_set):
+        return None
+    k = min(len(new_acc), len(old_acc))
+    new_mean, old_mean = sum(new_acc[:k]) / k, sum(old_acc[:k]) / k
+    if new_mean >= old_mean:
+        return None
+    return (f"held-out agreement {' / '.join(f'{x:.3f}' for x in new_acc[:k])} (mean {new_mean:.4f}) is below the "
+            f"shipped drafter's {' / '.join(f'{x:.3f}' for x in old_acc[:k])} (mean {old_mean:.4f})")
+
+
+def ship(run: Path, dest: Path, note: str | None, force: bool = False) -> None:
     src = run / "drafter"
     for name in ("config.json", "model.safetensors"):
         if not (src / name).is_file():
             raise SystemExit(f"{src / name}: missing; finish the run first (python -m eagle_trt.train ... --resume)")
     log = compact_log(run)
+    worse = not_better(log, dest)
+    if worse and not force:
+        raise SystemExit(f"{run}: not shipped to {dest}: {worse} (--force ships it anyway)")
     start = log.get("init_from", {}).get("path")
     if start and (Path(start) / "train_log.json").is_file():    # the lineage: the starting weights' own runs
         log["previous"] = json.loads((Path(start) / "train_log.json").read_text())
@@ -56,8 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("run", type=Path)
     p.add_argument("dest", type=Path)
     p.add_argument("--note", default=None)
+    p.add_argument("--force", action="store_true", help="ship even if its held-out agreement is below the shipped one's")
     args = p.parse_args(argv)
-    ship(args.run, args.dest, args.note)
+    ship(args.run, args.dest, args.note, args.force)
     return 0
 
 

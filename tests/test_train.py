@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -665,3 +666,30 @@ def test_prompts_exported_for_a_machine_without_the_dataset_answer_the_same(tmp_
     assert counts["sequences"] == 20
     chunk = DistillSet(tmp_path / "set").chunks()[0][1]
     assert [s.ids[:len(ids)] for s, (_, _, ids) in zip(chunk, want)] == [ids for _, _, ids in want[:20]]
+
+
+def test_ship_refuses_a_run_below_the_shipped_drafter(tmp_path):
+    """scripts/ship_drafters.py: a leg whose final held-out agreement is below the drafter it
+    would replace stays in its run folder (exit message names both), unless --force."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ship_drafters", Path(__file__).parents[1] / "scripts/ship_drafters.py")
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+
+    def run(folder: Path, acc: list[float]) -> Path:
+        (folder / "drafter").mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            (folder / "drafter" / name).write_text(f"{folder.name} {name}")
+        log = {"finished": True, "step": 10, "args": {"eval_distill": "data/distill/smollm2-val"},
+               "log": [{"step": 10, "loss": 1.0, "eval_loss": [1.0] * len(acc), "eval_acc": acc}]}
+        (folder / "train_log.json").write_text(json.dumps(log))
+        return folder
+    dest = tmp_path / "shipped"
+    ship.ship(run(tmp_path / "first", [0.70, 0.68, 0.66]), dest, None)
+    with pytest.raises(SystemExit, match=r"below the shipped drafter's 0\.700 / 0\.680 / 0\.660"):
+        ship.ship(run(tmp_path / "worse", [0.71, 0.66, 0.64, 0.60, 0.58]), dest, None)
+    assert (dest / "model.safetensors").read_text() == "first model.safetensors"     # left as it was
+    ship.ship(tmp_path / "worse", dest, "forced", force=True)
+    assert (dest / "model.safetensors").read_text() == "worse model.safetensors"
+    ship.ship(run(tmp_path / "better", [0.72, 0.68, 0.65]), dest, None)             # mean of 3 steps above 0.6700
+    assert json.loads((dest / "train_log.json").read_text())["final_eval"]["eval_acc"] == [0.72, 0.68, 0.65]
