@@ -5,7 +5,10 @@ newly committed tokens, never on values, so the same function is the PyTorch ref
 what the drafter exporter traces into one graph with the recurrence unrolled.
 
 Node 0 of a tree is the root (the last committed token, not yet seen by the target); draft
-nodes are 1..N, ordered so that every parent precedes its children.
+nodes are 1..N in rank order (best cumulative score first, ties to the earlier candidate), which
+puts every parent before its children: the first n nodes are the n best and a tree of their own,
+and the path a confident drafter's tree gets accepted along is usually a run of consecutive
+nodes (one copy to commit its KV rows).
 """
 from __future__ import annotations
 
@@ -39,27 +42,15 @@ class DraftTree:
         return DraftTree(self.tokens[b], self.parents[b], self.mask[b], self.depths[b], self.scores[b])
 
     def top(self, n: int) -> "DraftTree":
-        """The subtree of each tree's n best nodes by score, in node order (a tree or a batch of
-        trees, no loop over the batch). Ranked with ties to the lower index, as select_nodes
-        ranks: a child never outranks its parent, so the subtree is closed under ancestry.
-        Verifying it is verifying fewer draft tokens."""
+        """Each tree's first n nodes (a tree or a batch of trees): views, no copies. Nodes are in
+        rank order (select_nodes), so these are the n best by score; in any order where parents
+        come first (graphs exported before format 8: candidate order) they are still a tree
+        closed under ancestry, so verifying them stays lossless. Verifying it is verifying
+        fewer draft tokens."""
         if n >= self.size:
             return self
-        N, dev = self.size, self.scores.device
-        lead = self.scores.shape[:-1]
-        order = torch.arange(N, device=dev)
-        kept = rank_desc(self.scores) < n                                           # n per tree
-        keep = N - torch.topk(torch.where(kept, N - order, 0), n, dim=-1).values   # increasing node order
-        last = keep.dim() - 1
-        rows = torch.cat((torch.zeros(*lead, 1, dtype=torch.int64, device=dev), keep + 1), -1)   # root first
-        index = torch.full((*lead, N + 1), -1, dtype=torch.int64, device=dev).scatter(
-            last, rows, torch.arange(n + 1, device=dev).expand(*lead, n + 1))      # old node -> new node
-        parents = self.parents.gather(last, rows)
-        parents = torch.where(parents < 0, parents, index.gather(last, parents.clamp(min=0)))
-        cols = self.mask.gather(last + 1, rows[..., None, :].expand(*lead, N + 1, n + 1))   # kept columns
-        mask = cols.gather(last, rows[..., :, None].expand(*lead, n + 1, n + 1))             # of kept rows
-        return DraftTree(self.tokens.gather(last, keep), parents, mask, self.depths.gather(last, rows),
-                         self.scores.gather(last, keep))
+        return DraftTree(self.tokens[..., :n], self.parents[..., :n + 1], self.mask[..., :n + 1, :n + 1],
+                         self.depths[..., :n + 1], self.scores[..., :n])
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -207,17 +198,16 @@ def draft_tree(drafter: EagleDrafter, captured: Tensor, input_ids: Tensor, past_
 
 
 def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeShape) -> DraftTree:
-    """Keep the N best candidates [..., M] by cumulative log-prob.
+    """Keep the N best candidates [..., M] by cumulative log-prob, in rank order.
 
     A child's score never exceeds its parent's (log-probs are <= 0) and parents come earlier
     in candidate order, so ranking with ties to the lower index puts every parent ahead of its
-    children: the kept set is closed under ancestry, even when a child's log-prob is exactly 0.
-    Keeping candidate order puts parents first."""
+    children: the kept set, and every prefix of it in rank order, is closed under ancestry,
+    even when a child's log-prob is exactly 0."""
     N, M, dev = shape.total_tokens, scores.shape[-1], scores.device
     lead = scores.shape[:-1]
-    kept = rank_desc(scores) < N
-    # Kept candidate indices in increasing order: one TopK over (M - index) of the kept ones.
-    keep = M - torch.topk(torch.where(kept, M - torch.arange(M, device=dev), 0), N, dim=-1).values
+    # Kept candidate indices, best first: one TopK over the negated ranks (distinct: no ties).
+    keep = torch.topk(-rank_desc(scores).float(), N, dim=-1).indices
     slot = torch.zeros(*lead, M + 1, dtype=torch.int64, device=dev)
     last = scores.dim() - 1
     slot = slot.scatter(last, keep, torch.arange(1, N + 1, device=dev).expand(*lead, N))   # candidate -> node index

@@ -62,7 +62,8 @@ def _log_softmax64(logits: torch.Tensor) -> list[float]:
 @torch.no_grad()
 def reference_tree(drafter, captured, input_ids, past_k, past_v, shape: TreeShape):
     """Straightforward EAGLE-2 tree. Returns (tokens, parents, mask, depths, scores, new_k, new_v)
-    with the same layout as DraftTree (node 0 = root, draft nodes in candidate order)."""
+    with the same layout as DraftTree (node 0 = root, draft nodes in rank order: best score
+    first, ties to the earlier candidate)."""
     D, K, N = shape.depth, shape.top_k, shape.total_tokens
     S = _seq_dim(drafter)
     T, P = input_ids.shape[1], past_k.shape[S]
@@ -96,7 +97,7 @@ def reference_tree(drafter, captured, input_ids, past_k, past_v, shape: TreeShap
                 new.append(len(cands) - 1)
         frontier = sorted(new, key=lambda i: (-cands[i].score, i))[:K]
 
-    keep = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i].score, i))[:N])
+    keep = sorted(range(len(cands)), key=lambda i: (-cands[i].score, i))[:N]
     node_of = {c: n + 1 for n, c in enumerate(keep)}
     parents = [-1] + [0 if cands[c].parent < 0 else node_of[cands[c].parent] for c in keep]
     mask = torch.zeros(N + 1, N + 1, dtype=torch.bool)
@@ -378,9 +379,9 @@ def test_select_nodes_partial_ties_and_random_scores():
         check_invariants(tree, shape)
         # the kept set is the N best by score, ties to the earlier candidate
         best = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:N]
-        assert tree.tokens.tolist() == tokens[sorted(best)].tolist()
+        assert tree.tokens.tolist() == tokens[best].tolist()       # best first
         # kept parents map back to the right candidates
-        keep = sorted(best)
+        keep = best
         for n, c in enumerate(keep):
             p = int(parents[c])
             assert int(tree.parents[n + 1]) == (0 if p < 0 else keep.index(p) + 1)

@@ -62,9 +62,10 @@ def test_batched_greedy_acceptance_can_fail_on_a_wrong_tree():
     assert (path[0, :2].tolist(), int(length[0]), tokens[0, :2].tolist()) == ([0, 1], 2, [5, 6])
 
 
-def test_batched_top_n_subtrees_equal_each_tree_s_own():
-    """DraftTree.top on a batch of trees (one selection, no loop) equals each tree's own top-n
-    subtree, node for node, and every kept node's parent is kept (closure under ancestry)."""
+def test_top_n_is_the_first_n_nodes_and_a_tree():
+    """DraftTree.top(n) on a batch of trees: each tree's first n nodes, which are its n best when
+    the nodes are in rank order (select_nodes), and a tree closed under ancestry in any order
+    where parents come first (graphs exported before format 8)."""
     from eagle_trt.tree import rank_desc
     gen = torch.Generator().manual_seed(5)
     trees = []
@@ -79,11 +80,18 @@ def test_batched_top_n_subtrees_equal_each_tree_s_own():
     for n in (1, 4, 7, 12):
         top = batch.top(n)
         for b, t in enumerate(trees):
-            want = [i + 1 for i in range(12) if rank_desc(t.scores)[i] < n]
             got = top.row(b)
-            assert got.tokens.tolist() == [int(t.tokens[i - 1]) for i in want]
-            assert got.depths.tolist() == [0] + [int(t.depths[i]) for i in want]
-            kept = [0] + want
-            assert got.parents.tolist() == [-1] + [kept.index(int(t.parents[i])) for i in want]
-            assert torch.equal(got.mask, t.mask[kept][:, kept])
-            assert torch.equal(got.mask, ancestor_mask(got.parents[None], n + 1)[0])
+            assert got.tokens.tolist() == t.tokens[:n].tolist() and got.depths.tolist() == t.depths[:n + 1].tolist()
+            assert torch.equal(got.mask, ancestor_mask(got.parents[None], n + 1)[0])      # closed under ancestry
+            if bool((rank_desc(t.scores) == torch.arange(12)).all()):                      # rank order: the n best
+                assert sorted(got.scores.tolist(), reverse=True) == sorted(t.scores.tolist(), reverse=True)[:n]
+    # a tree in rank order, as select_nodes makes them: the first n are the n best
+    t = trees[0]
+    order = [0] + [int(i) + 1 for i in torch.sort(rank_desc(t.scores)).indices]
+    new_of = {old: new for new, old in enumerate(order)}
+    ranked = DraftTree(t.tokens[[i - 1 for i in order[1:]]],
+                       torch.tensor([-1] + [new_of[int(t.parents[i])] for i in order[1:]]),
+                       t.mask[order][:, order], t.depths[order], t.scores[[i - 1 for i in order[1:]]])
+    assert torch.equal(ranked.mask, ancestor_mask(ranked.parents[None], 13)[0])
+    for n in (1, 4, 7):
+        assert ranked.top(n).scores.tolist() == sorted(t.scores.tolist(), reverse=True)[:n]

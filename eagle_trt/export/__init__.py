@@ -24,8 +24,9 @@ __all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "
 # the last row only; 4: a tied lm_head reads the embedding table (stored once), the greedy accept graph;
 # 5: greedy acceptance at the end of the target graph (accept_* outputs), no accept graph; 6: weights
 # attached by name from the module (Linear weights as `<name>.weight_t`), not folded by the exporter;
-# 7: head-major KV [B, Hkv, rows, D], attended in place beside the new rows (no concat of the past)
-GRAPH_FORMAT = 7
+# 7: head-major KV [B, Hkv, rows, D], attended in place beside the new rows (no concat of the past);
+# 8: draft tree nodes in rank order (best first), so the n best nodes are the first n
+GRAPH_FORMAT = 8
 
 
 def weights_digest(module: torch.nn.Module) -> str:
