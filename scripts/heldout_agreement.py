@@ -4,18 +4,74 @@ the CPU legs train and evaluate 3 steps, the GPU legs 5, and a tree of depth 5 u
 
     python scripts/heldout_agreement.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
         [--ttt-steps 5] [--eval-distill data/distill/smollm2-val] [--threads 2]
+
+--workload mtbench (or humaneval) evaluates on the target's own greedy answers to that
+workload's first --prompts prompts instead (--max-new-tokens each, generated once into the
+cache in the distillation set's format; an evaluation set, never training data): the same
+teacher-forced agreement as the held-out ShareGPT set, on the prompts `evaluate` and `bench`
+measure acceptance on. --target-confidence also prints the target's own mean top-1
+probability on the answer tokens: how predictable its greedy text is at all.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
-from eagle_trt.checkpoints import CheckpointError, load_drafter, load_target
+from eagle_trt.checkpoints import CheckpointError, cache_dir, load_drafter, load_target
+from eagle_trt.models.target import causal_mask
+from eagle_trt.runtime.backend import TorchTarget
+from eagle_trt.runtime.decoder import generate_autoregressive
 from eagle_trt.train.__main__ import distilled_features
+from eagle_trt.train.regenerate import FORMAT, PROVENANCE, DistillSet, _target_key, chunk_name, write_chunk
 from eagle_trt.train.ttt import TrainConfig, auto_autocast, evaluate
+from eagle_trt.workloads import build
+
+
+def workload_answers(target, workload: str, prompts: int, max_new_tokens: int) -> Path:
+    """The target's greedy answers to a workload's first prompts, as a one-chunk distillation
+    set in the cache (made once)."""
+    folder = cache_dir() / "workload-answers" / f"{target.folder.name}-{workload}-{prompts}x{max_new_tokens}"
+    if (folder / PROVENANCE).is_file():
+        return folder
+    eos = set(target.config.eos_token_ids)
+    tok = target.tokenizer()
+    if tok.eos_token_id is not None:
+        eos.add(tok.eos_token_id)
+    items = []
+    for i, ids in enumerate(build(tok, workload, prompts)):
+        answer = generate_autoregressive(TorchTarget(target.model), ids, max_new_tokens, eos).tokens
+        items.append((f"{workload}-{i}", ids, answer))
+        print(f"  {workload} {i + 1}/{prompts}: {len(answer)} answer tokens", file=sys.stderr, flush=True)
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_chunk(tmp / f"{chunk_name(0)}.npz", items)
+    (tmp / PROVENANCE).write_text(json.dumps({
+        "format": FORMAT, "target": _target_key(target),
+        "prompts": f"the first {prompts} prompts of the {workload} workload (eagle_trt.workloads): an evaluation set",
+        "decoding": "greedy (eagle_trt generate_autoregressive, PyTorch)",
+        "settings": {"max_new_tokens": max_new_tokens}}, indent=1))
+    tmp.rename(folder)
+    return folder
+
+
+@torch.no_grad()
+def target_confidence(target, folder: Path) -> float:
+    """Mean probability of the target's top-1 token at every answer position of the set."""
+    backend, total, count = TorchTarget(target.model), 0.0, 0
+    for _, samples in DistillSet(folder).chunks():
+        for sample in samples:
+            n = len(sample.ids)
+            backend.reset()
+            backend.add_sequence()
+            logits, _ = backend.forward(torch.tensor([sample.ids]), torch.arange(n)[None], causal_mask(n, 0))
+            answer = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)       # rows predicting answer tokens
+            top = logits[0, :-1][answer].float().softmax(-1).max(-1).values
+            total, count = total + float(top.sum()), count + int(answer.sum())
+    return total / max(count, 1)
 
 
 def main(argv=None) -> int:
@@ -25,10 +81,20 @@ def main(argv=None) -> int:
     p.add_argument("--eval-distill", type=Path, default=Path("data/distill/smollm2-val"))
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--workload", default=None, help="evaluate on the target's greedy answers to this workload "
+                   "(mtbench, humaneval, ...) instead of --eval-distill")
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--target-confidence", action="store_true")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target)
+    if args.workload:
+        args.eval_distill = workload_answers(target, args.workload, args.prompts, args.max_new_tokens)
+    if args.target_confidence:
+        print(f"target confidence on {args.eval_distill}: mean top-1 probability "
+              f"{target_confidence(target, args.eval_distill):.3f}")
     head = target.model.lm_head.weight.detach()
     for folder in args.drafters:
         try:
