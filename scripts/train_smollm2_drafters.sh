@@ -22,7 +22,8 @@
 # 2. python -m eagle_trt.train for both variants from the shipped weights (--init-from), cosine
 #    decay over TRAIN_MIN minutes (--schedule budget), anchored TTT and a frozen head (what
 #    scripts/cpu_minute_ablation.sh found to make a CPU minute count), eval on the held-out set.
-# 3. scripts/ship_drafters.py into eagle_trt/drafters/ (compact log with the lineage).
+# 3. scripts/ship_drafters.py into eagle_trt/drafters/ (compact log with the lineage), unless the
+#    run ended below the shipped drafter's held-out agreement.
 set -euo pipefail
 CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
 PROMPTS=${PROMPTS:-10240}
@@ -67,9 +68,10 @@ for variant in $VARIANTS; do
         --time-budget-min "$TRAIN_MIN" --schedule budget --feature-precision "$FEATURE_PRECISION" > "$RUN/$variant.log" 2>&1 &
 done
 wait
-for variant in $VARIANTS; do
+for variant in $VARIANTS; do   # a leg that ends below the shipped drafter's held-out agreement stays in $RUN
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
-        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks (scripts/train_smollm2_drafters.sh)"
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks (scripts/train_smollm2_drafters.sh)" \
+        || echo "$variant: not shipped (see above); the run is in $RUN/$variant"
 done
 python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
     --out docs/results/training/agreement.png --json docs/results/training/agreement.json
