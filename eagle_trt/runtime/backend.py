@@ -154,8 +154,10 @@ class DrafterBackend(_Batched):
         new_lengths = new_lengths or [T] * len(slots)
         tree, new_k, new_v = self._run(captured, input_ids, lengths, torch.tensor(new_lengths, dtype=torch.int64),
                                        slots, width)
-        # the one cache layer: [1, b, Hkv, T, D] each, or K and V as one [2, 1, b, Hkv, T, D] block
-        self.cache.write(new_k) if new_v is None else self.cache.write(new_k[None], new_v[None])
+        if new_v is None:                              # K and V as one [2, 1, b, Hkv, T, D] block
+            self.cache.write(new_k)
+        else:                                          # the one cache layer, [1, b, Hkv, T, D] each
+            self.cache.write(new_k[None], new_v[None])
         self.cache.commit([list(range(n)) for n in new_lengths])
         return tree
 

@@ -151,6 +151,10 @@ class SpeculativeDecoder:
             if timer is not None:
                 timer.time_target(rows, seconds, prefill)
 
+    def _time_draft(self, batch: int, rows: int, seconds: float) -> None:
+        if self.cost_model is not None:     # NodeTrim decides after drafting: it needs no drafter costs
+            self.cost_model.time_draft(batch, rows, seconds)
+
     def reset(self) -> None:
         self.target.reset()
         if self.drafter is not None:
@@ -224,7 +228,7 @@ class SpeculativeDecoder:
             states = pad_sequence([s.pending_states[0] for s in batch], batch_first=True)
             ids = torch.tensor([s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch])
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
-                            lambda sec: self.cost_model and self.cost_model.time_draft(len(batch), T, sec))
+                            lambda sec: self._time_draft(len(batch), T, sec))
         for s in batch:
             s.pending_states, s.pending_ids = [], []
             s.result.drafter_calls += 1
