@@ -206,8 +206,7 @@ def select_nodes(scores: Tensor, tokens: Tensor, parents: Tensor, shape: TreeSha
     even when a child's log-prob is exactly 0."""
     N, M, dev = shape.total_tokens, scores.shape[-1], scores.device
     lead = scores.shape[:-1]
-    # Kept candidate indices, best first: one TopK over the negated ranks (distinct: no ties).
-    keep = torch.topk(-rank_desc(scores).float(), N, dim=-1).indices
+    keep = stable_topk(scores, N)[1]      # kept candidate indices, best first
     slot = torch.zeros(*lead, M + 1, dtype=torch.int64, device=dev)
     last = scores.dim() - 1
     slot = slot.scatter(last, keep, torch.arange(1, N + 1, device=dev).expand(*lead, N))   # candidate -> node index
