@@ -34,6 +34,9 @@ TRAIN_MIN=${TRAIN_MIN:-55}
 LR=${LR:-2e-4}
 WARMUP=${WARMUP:-50}
 FEATURE_PRECISION=${FEATURE_PRECISION:-bfloat16}
+# LOOP_CUT=N trains each sequence only through its first N tokens of looping answer text
+# (eagle_trt/train/loops.py: 41% of the committed answers' tokens repeat the answer's own 9-grams)
+LOOP_CUT=${LOOP_CUT:-0}
 VARIANTS=${VARIANTS:-eagle3.1 eagle3}
 RUN=$CACHE/runs/leg-$(date +%Y%m%d-%H%M)
 mkdir -p "$RUN"
@@ -64,7 +67,7 @@ for variant in $VARIANTS; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
         --distill "$DATA" --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps "$WARMUP" \
-        --ttt-steps 5 --ttt-share 0.25 --freeze-head --length-groups 16 --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
+        --ttt-steps 5 --ttt-share 0.25 --freeze-head --length-groups 16 --loop-cut "$LOOP_CUT" --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
         --time-budget-min "$TRAIN_MIN" --schedule budget --feature-precision "$FEATURE_PRECISION" > "$RUN/$variant.log" 2>&1 &
 done
 wait

@@ -693,3 +693,49 @@ def test_ship_refuses_a_run_below_the_shipped_drafter(tmp_path):
     assert (dest / "model.safetensors").read_text() == "worse model.safetensors"
     ship.ship(run(tmp_path / "better", [0.72, 0.68, 0.65]), dest, None)             # mean of 3 steps above 0.6700
     assert json.loads((dest / "train_log.json").read_text())["final_eval"]["eval_acc"] == [0.72, 0.68, 0.65]
+
+
+def test_loop_cut_keeps_each_answer_through_its_first_run_of_repeats():
+    from eagle_trt.train.loops import NGRAM, loop_cut_length, repeated
+    prompt = list(range(10, 22))
+    text = list(range(30, 50))                      # 20 distinct tokens, then a 3-token loop
+    looped = text + [60, 61, 62] * 20
+    ids, mask = prompt + looped, [0] * len(prompt) + [1] * len(looped)
+    flags = repeated(ids)
+    first = len(prompt) + len(text) + 3 + NGRAM - 1  # the first token that ends a seen 9-gram (period 3)
+    assert not any(flags[:first]) and all(flags[first:])
+    assert loop_cut_length(ids, mask, 5) == first + 5
+    assert loop_cut_length(torch.tensor(ids), torch.tensor(mask), 5) == first + 5
+    assert loop_cut_length(ids, mask, 10 ** 4) == len(ids)                 # no run that long: whole
+    assert loop_cut_length(prompt + text, [0] * 12 + [1] * 20, 1) == 32    # no repeats at all
+    in_prompt = [7, 8, 9] * 10                      # a loop in the prompt is not the answer's
+    assert loop_cut_length(in_prompt + text, [0] * 30 + [1] * 20, 3) == 50
+    with pytest.raises(ValueError, match="window"):
+        loop_cut_length(ids, mask, 0)
+
+
+def test_loop_cut_batches_train_the_same_from_the_cache_and_online(target, capture, samples, store, vocab, tmp_path):
+    """A cut sequence is sliced where features are cached and masked where they are computed
+    online; attention is causal, so both give the same loss, and the run counts fewer tokens."""
+    from eagle_trt.train.features import OnlineFeatures
+    from eagle_trt.train.ttt import fetch_batch
+    online = OnlineFeatures(target, samples, capture)
+    idx = [5, 0, 9, 2]
+    lengths = [len(s.ids) - (7 if i in (0, 9) else 0) for i, s in enumerate(samples)]
+    cached, live = fetch_batch(store, idx, lengths), fetch_batch(online, idx, lengths)
+    assert cached.tokens == live.tokens == sum(lengths[i] for i in idx)
+    assert cached.ids.shape[1] == max(lengths[i] for i in idx) < live.ids.shape[1]
+    drafter = make_drafter(target, vocab, capture, "eagle3.1")
+    a = ttt_forward(drafter, cached, head_rows(target, vocab), 2)
+    b = ttt_forward(drafter, live, head_rows(target, vocab), 2)
+    assert a.counts == b.counts and a.counts[0] < fetch_batch(store, idx).pred_mask.sum()
+    for x, y in zip(a.losses, b.losses):
+        assert torch.allclose(x, y, rtol=1e-3, atol=1e-3)
+    with pytest.raises(TrainError, match="loop_cut"):
+        TrainConfig(loop_cut=-1).validate()
+    cfg = TrainConfig(variant="eagle3.1", steps=3, batch_size=3, lr=2e-3, warmup_steps=1, log_every=100,
+                      save_every=100, loop_cut=2)
+    logs = []
+    result = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head_rows(target, vocab), cfg,
+                   tmp_path / "cut", log=logs.append)
+    assert result.step == 3 and any("loop cut 2" in line for line in logs)

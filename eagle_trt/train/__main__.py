@@ -88,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--length-groups", type=int, default=1,
                    help="draw this many batches at once and cut them by sequence length, so each batch pads "
                         "to similar lengths (padding is computed for nothing); 1 = off")
+    p.add_argument("--loop-cut", type=int, default=0, metavar="N",
+                   help="train each sequence only through its first N tokens of looping answer text (tokens "
+                        "that end a 9-gram seen earlier in it; eagle_trt/train/loops.py); 0: whole sequences")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -320,6 +323,7 @@ def main(argv=None) -> int:
     cfg = TrainConfig(variant=args.variant, ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, autocast=amp,
                       ttt_share=args.ttt_share, freeze_head=args.freeze_head, length_groups=args.length_groups,
+                      loop_cut=args.loop_cut,
                       log_every=args.log_every, save_every=args.save_every, eval_sequences=args.eval_sequences)
     info["device"] = {"device": str(device), "autocast": amp,
                       "name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}

@@ -66,6 +66,7 @@ class TrainConfig:
     ttt_share: float = 1.0           # share of positions unrolled past step 0 (anchored TTT; 1 = all)
     freeze_head: bool = False        # lm_head stays the target's rows of the draft vocabulary
     length_groups: int = 1           # batches drawn together and cut by length (less padding; 1 = off)
+    loop_cut: int = 0                # train each sequence only through its first N looping tokens (loops.py; 0 = off)
 
     def validate(self) -> TrainConfig:
         if self.variant not in ("eagle3", "eagle3.1"):
@@ -73,6 +74,8 @@ class TrainConfig:
         for name in ("ttt_steps", "steps", "batch_size", "log_every", "save_every", "length_groups"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.loop_cut < 0:
+            raise TrainError(f"loop_cut must be >= 0 (0: off), got {self.loop_cut}")
         if not self.lr > 0:
             raise TrainError(f"lr must be > 0, got {self.lr}")
         if not 0 < self.ttt_share <= 1:
@@ -83,7 +86,7 @@ class TrainConfig:
 
     # Options that change the trajectory: a resumed run must keep them.
     TRAJECTORY_KEYS = ("variant", "ttt_steps", "step_decay", "batch_size", "seed", "eval_sequences",
-                       "mask_out_of_vocab", "weight_decay", "ttt_share", "freeze_head", "length_groups")
+                       "mask_out_of_vocab", "weight_decay", "ttt_share", "freeze_head", "length_groups", "loop_cut")
 
 
 # ----------------------------------------------------------------------------- model setup
@@ -191,17 +194,26 @@ def collate(items: list[dict]) -> Batch:
     return Batch(ids, captured, normed, argmax, pred_mask, sum(int(it["ids"].shape[0]) for it in items))
 
 
-def fetch_batch(store, indices: list[int]) -> Batch:
+def fetch_batch(store, indices: list[int], lengths: list[int] | None = None) -> Batch:
     """The training batch of `indices`: one padded target forward where the store computes
-    features online (OnlineFeatures.padded), else collate() of the cached sequences."""
+    features online (OnlineFeatures.padded), else collate() of the cached sequences.
+    `lengths` (indexed like the store): train on each sequence's first lengths[i] tokens only
+    (attention is causal, so the tokens after a cut change nothing before it)."""
     padded = getattr(store, "padded", None)
     if padded is None:
-        return collate([store.get(i) for i in indices])
+        items = [store.get(i) for i in indices]
+        if lengths is not None:
+            items = [{k: v[:lengths[i]] for k, v in it.items()} for i, it in zip(indices, items)]
+        return collate(items)
     f = padded(indices)
     pred_mask = torch.zeros_like(f["mask"])
     pred_mask[:, :-1] = f["mask"][:, 1:]        # position p predicts token p + 1
-    return Batch(f["ids"].long(), f["captured"].float(), f["normed"].float(), f["argmax"].long(), pred_mask,
-                 f["tokens"])
+    tokens = f["tokens"]
+    if lengths is not None:
+        cut = torch.tensor([lengths[i] for i in indices], device=pred_mask.device)
+        pred_mask &= torch.arange(pred_mask.shape[1], device=pred_mask.device)[None] < (cut - 1)[:, None]
+        tokens = int(cut.sum())
+    return Batch(f["ids"].long(), f["captured"].float(), f["normed"].float(), f["argmax"].long(), pred_mask, tokens)
 
 
 # ----------------------------------------------------------------------------- TTT forward
@@ -410,6 +422,16 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     if eval_store is not None:
         eval_ids = list(range(len(eval_store)))
     eval_on = eval_store if eval_store is not None else store
+    lengths = getattr(store, "lengths", None)
+    cut_lengths = None
+    if cfg.loop_cut:      # evaluation keeps whole sequences, so curves of runs with and without compare
+        from .loops import loop_cut_length
+        cut_lengths = [loop_cut_length(it["ids"], it["mask"], cfg.loop_cut)
+                       for it in (store.get(i, ("ids", "mask")) for i in range(len(store)))]
+        kept = sum(cut_lengths[i] for i in train_ids)
+        cut = sum(cut_lengths[i] < lengths[i] for i in train_ids) if lengths is not None else "?"
+        log(f"train: loop cut {cfg.loop_cut}: {cut} of {len(train_ids)} sequences cut, {kept} tokens trained on")
+        lengths = cut_lengths
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -460,7 +482,7 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
                 log(f"train: time budget of {time_budget_s:.0f} s reached at step {step}")
                 break
-            batch = fetch_batch(store, batch_indices(step, train_ids, cfg, getattr(store, "lengths", None)))
+            batch = fetch_batch(store, batch_indices(step, train_ids, cfg, lengths), cut_lengths)
             spent = (time.perf_counter() - start) / time_budget_s if schedule_over_budget and time_budget_s else None
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg, spent)
