@@ -73,7 +73,7 @@ done
 wait
 for variant in $VARIANTS; do   # a leg that ends below the shipped drafter's held-out agreement stays in $RUN
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
-        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks (scripts/train_smollm2_drafters.sh)" \
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks, loop cut $LOOP_CUT (scripts/train_smollm2_drafters.sh)" \
         || echo "$variant: not shipped (see above); the run is in $RUN/$variant"
 done
 python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
