@@ -11,7 +11,7 @@ cache in the distillation set's format; an evaluation set, never training data):
 teacher-forced agreement as the held-out ShareGPT set, on the prompts `evaluate` and `bench`
 measure acceptance on. --target-confidence also prints the target's own mean top-1
 probability on the answer tokens: how predictable its greedy text is at all. --split-loops
-also prints the agreement on answer tokens that repeat the sequence's own earlier 9-grams
+also prints the agreement (evaluate() computes it) on answer tokens that repeat the sequence's own earlier 9-grams
 (loops, eagle_trt/train/loops.py) apart from the rest: greedy answers of a small target loop,
 and the easy loop tokens lift the overall number (37% of the held-out ShareGPT positions, 10%
 of MT-bench's).
@@ -31,8 +31,7 @@ from eagle_trt.runtime.backend import TorchTarget
 from eagle_trt.runtime.decoder import generate_autoregressive
 from eagle_trt.train.__main__ import distilled_features
 from eagle_trt.train.regenerate import FORMAT, PROVENANCE, DistillSet, _target_key, chunk_name, write_chunk
-from eagle_trt.train.loops import repeated
-from eagle_trt.train.ttt import TrainConfig, auto_autocast, autocast, collate, evaluate, ttt_forward
+from eagle_trt.train.ttt import TrainConfig, auto_autocast, evaluate
 from eagle_trt.workloads import build
 
 
@@ -79,31 +78,6 @@ def target_confidence(target, folder: Path) -> float:
     return total / max(count, 1)
 
 
-@torch.no_grad()
-def loop_split(drafter, store, head_rows, cfg: TrainConfig) -> dict[str, list[float]]:
-    """Agreement per TTT step on loop tokens and on the rest (the numbers evaluate() pools)."""
-    hits = {name: [0] * cfg.ttt_steps for name in ("loop", "text")}
-    counts = {name: [0] * cfg.ttt_steps for name in ("loop", "text")}
-    drafter.eval()
-    for i in range(len(store)):
-        batch = collate([store.get(i)])
-        with autocast(drafter, cfg):
-            out = ttt_forward(drafter, batch, head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab, keep_logits=True)
-        T = batch.ids.shape[1]
-        loop = torch.tensor(repeated(batch.ids[0].tolist()) + [False] * (cfg.ttt_steps + 1))
-        for k, logits in enumerate(out.logits):
-            n = T - 1
-            p = torch.arange(n) + 1 + k                       # row j predicts the token after position p
-            ok = p < T - 1
-            p = p[ok]
-            counted = batch.pred_mask[0, p]
-            hit = drafter.to_target_ids(logits[0, :n][ok].argmax(-1)) == batch.argmax[0, p]
-            for name, sel in (("loop", loop[p + 1]), ("text", ~loop[p + 1])):
-                hits[name][k] += int((hit & counted & sel).sum())
-                counts[name][k] += int((counted & sel).sum())
-    return {name: [h / max(c, 1) for h, c in zip(hits[name], counts[name])] + [counts[name][0]] for name in hits}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafters", nargs="+", type=Path)
@@ -143,8 +117,9 @@ def main(argv=None) -> int:
               f"  agreement {' / '.join(f'{x:.3f}' for x in out['eval_acc'])}\n"
               f"  loss      {' / '.join(f'{x:.4f}' for x in out['eval_loss'])}")
         if args.split_loops:
-            for name, accs in loop_split(drafter, store, head[used].clone(), cfg).items():
-                print(f"  {name:<9} {' / '.join(f'{x:.3f}' for x in accs[:-1])}  ({accs[-1]} positions at step 1)")
+            for name in ("loop", "text"):
+                print(f"  {name:<9} {' / '.join(f'{x:.3f}' for x in out[f'eval_acc_{name}'])}  "
+                      f"({out['eval_positions'][name]} positions at step 1)")
     return 0
 
 

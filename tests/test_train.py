@@ -739,3 +739,22 @@ def test_loop_cut_batches_train_the_same_from_the_cache_and_online(target, captu
     result = train(make_drafter(target, vocab, capture, "eagle3.1"), store, head_rows(target, vocab), cfg,
                    tmp_path / "cut", log=logs.append)
     assert result.step == 3 and any("loop cut 2" in line for line in logs)
+
+
+def test_evaluation_splits_agreement_into_loop_tokens_and_the_rest(target, capture, samples, store, vocab):
+    """evaluate() reports the agreement on loop tokens and on the rest apart; weighted by their
+    positions they give back the pooled number at every step, and a sequence that loops has
+    loop positions counted."""
+    from eagle_trt.train.ttt import evaluate
+    from eagle_trt.train.features import OnlineFeatures
+    looping = Sample("loop", samples[0].ids[:10] + [40, 41, 42, 43] * 8, [0] * 6 + [1] * 36)
+    online = OnlineFeatures(target, [looping] + samples[:5], capture)
+    cfg = TrainConfig(variant="eagle3.1", ttt_steps=3)
+    out = evaluate(make_drafter(target, vocab, capture, "eagle3.1"), online, list(range(6)), head_rows(target, vocab), cfg)
+    assert out["eval_positions"]["loop"] > 0 and out["eval_positions"]["text"] > 0
+    alone = evaluate(make_drafter(target, vocab, capture, "eagle3.1"), online, [0], head_rows(target, vocab), cfg)
+    assert alone["eval_positions"]["loop"] >= 15          # the loop's tokens from its second turn on
+    # step 1: the split recombines into the pooled agreement
+    n = out["eval_positions"]
+    both = (out["eval_acc_loop"][0] * n["loop"] + out["eval_acc_text"][0] * n["text"]) / (n["loop"] + n["text"])
+    assert both == pytest.approx(out["eval_acc"][0], abs=1e-9)

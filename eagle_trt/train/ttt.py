@@ -381,19 +381,39 @@ def autocast(drafter: EagleDrafter, cfg: TrainConfig):
 
 def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_rows: Tensor,
              cfg: TrainConfig) -> dict:
+    """Loss and top-1 agreement per TTT step over the sequences `ids`, and the agreement apart
+    on loop tokens (an answer token ending a 9-gram seen earlier in its sequence, loops.py) and
+    on the rest ("text"): the held-out set's loops are easy copies that lift the pooled number."""
+    from .loops import repeated
     drafter.eval()
-    losses, accs, counts = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps, [0] * cfg.ttt_steps
+    K = cfg.ttt_steps
+    losses, accs, counts = [0.0] * K, [0.0] * K, [0] * K
+    hits = {"loop": [0] * K, "text": [0] * K}
+    seen = {"loop": [0] * K, "text": [0] * K}
     with torch.no_grad():
         for i in ids:
+            batch = collate([store.get(i)])
             with autocast(drafter, cfg):
-                o = ttt_forward(drafter, collate([store.get(i)]), head_rows, cfg.ttt_steps, cfg.mask_out_of_vocab)
-            for k in range(cfg.ttt_steps):
+                o = ttt_forward(drafter, batch, head_rows, K, cfg.mask_out_of_vocab, keep_logits=True)
+            n = batch.ids.shape[1] - 1
+            loop = torch.tensor(repeated(batch.ids[0].tolist()) + [False] * (K + 1))
+            for k in range(K):
                 losses[k] += float(o.losses[k]) * o.counts[k]
                 accs[k] += o.accs[k] * o.counts[k]
                 counts[k] += o.counts[k]
+                p = torch.arange(n) + 1 + k                 # row j predicts the token after position p
+                rows = p < n
+                p = p[rows]
+                counted = batch.pred_mask[0, p]
+                hit = drafter.to_target_ids(o.logits[k][0][rows].argmax(-1)).cpu() == batch.argmax[0, p]
+                for name, sel in (("loop", loop[p + 1]), ("text", ~loop[p + 1])):
+                    hits[name][k] += int((hit & counted & sel).sum())
+                    seen[name][k] += int((counted & sel).sum())
     drafter.train()
     return {"eval_loss": [l / max(c, 1) for l, c in zip(losses, counts)],
-            "eval_acc": [a / max(c, 1) for a, c in zip(accs, counts)]}
+            "eval_acc": [a / max(c, 1) for a, c in zip(accs, counts)],
+            **{f"eval_acc_{name}": [h / max(c, 1) for h, c in zip(hits[name], seen[name])] for name in hits},
+            "eval_positions": {name: seen[name][0] for name in seen}}
 
 
 def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: TrainConfig, out_dir: str | Path,
@@ -465,7 +485,8 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     def run_eval(entry: dict) -> None:
         entry.update(evaluate(drafter, eval_on, eval_ids, head_rows, cfg))
         log(f"train: eval at step {step}: loss {' '.join(f'{x:.4f}' for x in entry['eval_loss'])}  "
-            f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}")
+            f"acc {'/'.join(f'{x:.3f}' for x in entry['eval_acc'])}  "
+            f"(text {'/'.join(f'{x:.3f}' for x in entry['eval_acc_text'])})")
 
     if not history and eval_ids:       # where the starting weights stand
         history.append({"step": 0, "tokens_seen": 0, "cpu_s": start_cpu_s})
