@@ -60,18 +60,29 @@ def test_kv_cache_relayouts_reuse_storage_and_keep_rows():
         cache.commit([[0, 1]])
     assert cache.k.shape[1] == 8 and cache.lengths == [2] * 5
     cache.stage(range(4, 5), 3 * CHUNK)                            # more rows: a larger layout, zeroed
-    grown = cache.storage
-    assert cache.capacity == 4 * CHUNK and grown.numel() >= cache.kv.numel() == 2 * cache.k.numel()
+    assert cache.storages[cache.active].numel() >= cache.kv.numel() == 2 * cache.k.numel()
+    assert cache.capacity == 4 * CHUNK
     assert cache.k[:, :5, :, :2, 0].tolist() == [[[[b + 1.0] * 2] * 2 for b in range(5)]] * 2
     assert cache.v[1, 3, 0, :3, 0].tolist() == [-4, -4, 0]
-    cache.remove(0)                                                # no more rows needed: the layout shrinks in place
+    cache.remove(0)                                                # no more rows needed: the layout shrinks
     cache.remove(0)
     cache.remove(0)
-    assert cache.capacity == CHUNK and cache.storage is grown
+    assert cache.capacity == CHUNK
     assert cache.lengths == [2, 2] and cache.k[0, :2, 1, :2, 0].tolist() == [[3, 3], [2, 2]]   # each removal moved the last in
-    cache.clear()                                                  # a fresh start keeps the storage
-    assert cache.storage is grown and cache.lengths == [] and cache.k.shape[1] == 8
-    assert torch.isfinite(cache.storage).all()
+    cache.clear()                                                  # a fresh start keeps the storages
+    assert cache.lengths == [] and cache.k.shape[1] == 8
+    assert all(torch.isfinite(t).all() for t in cache.storages)
+    cache.add()
+    grown = None
+    for _ in range(3):       # each re-layout copies into the other storage; once both are big enough, no allocation
+        before = cache.active
+        cache.reserve(range(0, 1), 4 * CHUNK)                      # a larger layout
+        assert cache.active != before and cache.capacity == 4 * CHUNK
+        cache.remove(0)                                            # and back
+        cache.add()
+        assert cache.active == before and cache.capacity == CHUNK
+        assert grown is None or all(a is b for a, b in zip(cache.storages, grown))
+        grown = list(cache.storages)
 
 
 def test_call_costs_interpolate_and_extend():

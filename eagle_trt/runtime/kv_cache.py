@@ -10,13 +10,15 @@ Sequences join (`add`) and leave (`remove`, which moves the last slot into the f
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
 binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`).
 
-A change of layout (more slots, more or fewer rows) re-lays the cache out in the storage it
-already has, copying only the committed rows, while that storage is big enough; only a larger
-layout than the storage holds allocates (zeroed, half again as large as the last). Allocating and zeroing a
-new cache at each change was most of the host work of a continuously batched run (8 streams:
-every join, every chunk of rows and every fresh start copied the whole cache). Rows past a
-sequence's length are masked but must be finite (a masked probability 0 times NaN is NaN):
-they hold zeros or rows the graphs wrote earlier, never uninitialised memory."""
+A change of layout (more slots, more or fewer rows) copies only the committed rows, once, from
+one of two storages into the other, which the layouts alternate between (a re-layout inside one
+storage would have to copy the rows out and back, since old and new places overlap: twice
+the copying for the same peak memory); a storage allocates only for a larger layout than it
+holds (zeroed, half again as large as its last). Allocating and zeroing a new cache at each
+change was most of the host work of a continuously batched run (8 streams: every join, every
+chunk of rows and every fresh start copied the whole cache). Rows past a sequence's length
+are masked but must be finite (a masked probability 0 times NaN is NaN): they hold zeros or
+rows the graphs wrote earlier, never uninitialised memory."""
 from __future__ import annotations
 
 import math
@@ -33,7 +35,8 @@ class KVCache:
         self.layout = (num_layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.kv = self.k = self.v = None      # kv [2, L, B, Hkv, S, D]; k, v = kv[0], kv[1]
-        self.storage: Tensor | None = None    # flat storage the layouts are views of
+        self.storages: list[Tensor | None] = [None, None]   # flat storages the layouts are views of, in turn
+        self.active = 1                       # the storage the current layout is a view of
         self.owner = None                     # the backend that clears and reuses it (backend._new_cache)
         self.lengths: list[int] = []
         self._allocate(max(batch, 1), max(capacity, 1))
@@ -42,26 +45,27 @@ class KVCache:
         self.new_rows: Tensor | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
-        """Lay the cache out as [L, batch, Hkv, rows, D], keeping every committed row."""
+        """Lay the cache out as [L, batch, Hkv, rows, D] in the other storage, keeping every committed row."""
         L, H, D = self.layout
         shape = (2, L, batch, H, rows, D)    # K and V in one block: a commit copies both at once
         b, s = min(batch, len(self.lengths)), min(rows, max(self.lengths, default=0))
-        kept = self.kv[:, :, :b, :, :s].clone() if b and s else None
         numel = math.prod(shape)
-        if self.storage is None or self.storage.numel() < numel:
-            size = numel
-            if self.storage is not None:     # half again: the next chunks of rows fit without another one
-                size = max(numel, self.storage.numel() * 3 // 2)
-                self.storage = None          # let the old storage go before the new one is made
-            self.storage = torch.zeros(size, dtype=self.dtype, device=self.device)
-        self.kv = self.storage[:numel].view(shape)
-        self.k, self.v = self.kv[0], self.kv[1]
-        if kept is not None:
-            self.kv[:, :, :b, :, :s] = kept
+        spare = 1 - self.active
+        storage = self.storages[spare]
+        if storage is None or storage.numel() < numel:
+            # half again: the next chunks of rows fit without another one
+            size = numel if storage is None else max(numel, storage.numel() * 3 // 2)
+            self.storages[spare] = None      # let the old storage go before the new one is made
+            self.storages[spare] = torch.zeros(size, dtype=self.dtype, device=self.device)
+        kv = self.storages[spare][:numel].view(shape)
+        if b and s:
+            kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
+        self.kv, self.active = kv, spare
+        self.k, self.v = kv[0], kv[1]
 
     def clear(self, capacity: int = CHUNK) -> None:
-        """Drop every sequence; the storage stays for the next ones (no copy, no allocation
-        while it is big enough)."""
+        """Drop every sequence; the storages stay for the next ones (no copy, no allocation
+        while they are big enough)."""
         self.lengths = []
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
         self._allocate(self.k.shape[1], max(capacity, 1))
