@@ -110,12 +110,16 @@ def main(argv=None) -> int:
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
     measured = prompts[held_out:]
+    made = [(b.made, b.rebound) for b in (ort.target.bindings, ort.drafter.bindings)]
     wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
+    made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((ort.target.bindings, ort.drafter.bindings), made)]
     if batched is not None:
         print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
               f"{sum(batched.verified) / len(batched.verified):.2f} (the cost model's choice)")
     print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "
           f"graph calls {1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms")
+    print("ONNX Runtime bindings per iteration (made new / past bound again): target "
+          + ", drafter ".join(f"{m / iterations:.2f} / {r / iterations:.2f}" for m, r in made))
     with phase_timers(ort) as spent:
         run(ort, measured, args.max_new_tokens, batched, args.streams)
     print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")

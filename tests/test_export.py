@@ -202,6 +202,7 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
         backend.forward(long, 40 + torch.arange(40)[None], torch.ones(1, 40, 40).tril().bool())
         backend.commit([list(range(40))])
     assert ort_target.cache.capacity == 128
+    assert [key[2] for key in ort_target.bindings.entries] == [5, 1]   # the 40-row call's binding was a one-off
     step = (long[:, :1], torch.tensor([[80]]), eye(1))
     logits, captured = ort_target.forward(*step)
     want, want_captured = ref.forward(*step)

@@ -136,20 +136,23 @@ class Bindings:
     the target, 2 for the drafter) and the buffers sized by the past's width are bound again
     only when the cache is re-laid out (`width_buffers(bound, b, T, width)`), not the whole
     entry: continuous batching re-lays the cache out at every chunk of rows. The least
-    recently used entry goes when `keep` are held; one-off calls of more than `keep_bytes` of
-    new KV rows (long prefills, drafter catch-ups) are not kept. kv_names: per cache layer, the
+    recently used entry goes when `keep` are held. Calls of more than `keep_rows` new rows
+    (prefills, drafter catch-ups: shapes that rarely come back) are bound for the call and not
+    kept, so they do not push out the decoding shapes (8 continuously batched streams meet
+    ~40: batch 1-8 x 1-5 rows as the cost model varies the nodes). kv_names: per cache layer, the
     graph's (past key, past value, new key, new value) names. buffers(bound, b, T, *extra)
     makes the other buffers."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
-                 width_buffers=None, keep: int = 16, keep_bytes: int = 64 << 20):
-        self.session, self.kv_names, self.keep, self.keep_bytes = session, kv_names, keep, keep_bytes
+                 width_buffers=None, keep: int = 64, keep_rows: int = 16):
+        self.session, self.kv_names, self.keep, self.keep_rows = session, kv_names, keep, keep_rows
         self.make_buffers, self.make_width_buffers = buffers, width_buffers
         self.entries: dict[tuple, Bound] = {}
+        self.made = self.rebound = 0          # entries made, entries whose past was bound again (profiling)
 
     def empty_copy(self) -> "Bindings":
         return Bindings(self.session, self.kv_names, self.make_buffers, self.make_width_buffers, self.keep,
-                        self.keep_bytes)
+                        self.keep_rows)
 
     def get(self, backend, slots: range, T: int, width: int, *extra: int) -> Bound:
         cache = backend.cache
@@ -166,13 +169,15 @@ class Bindings:
                 bind_buffer(entry.io, new_k, entry.staging[0, i])
                 bind_buffer(entry.io, new_v, entry.staging[1, i])
             self.make_buffers(entry, len(slots), T, *extra)
+            self.made += 1
         if entry.layout != layout:      # a new entry, or the cache re-laid out since its last call
+            self.rebound += 1
             for i, (past_k, past_v, _, _) in enumerate(self.kv_names):
                 bind_past(entry.io, backend, slots, width, i, (past_k, past_v))
             if self.make_width_buffers is not None:
                 self.make_width_buffers(entry, len(slots), T, width)
             entry.layout = layout
-        if entry.staging.numel() * entry.staging.element_size() <= self.keep_bytes:
+        if T <= self.keep_rows:
             self.entries[key] = entry   # most recently used last
         return entry
 
