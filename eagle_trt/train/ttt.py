@@ -36,6 +36,7 @@ from ..devices import cpu_has_bf16
 from ..models.drafter import EagleDrafter
 from ..models.target import causal_mask
 from .features import FeatureStore
+from .loops import loop_cut_length, repeated
 from .vocab import DraftVocab
 
 STATE_FILE = "train_state.pt"
@@ -384,7 +385,6 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
     """Loss and top-1 agreement per TTT step over the sequences `ids`, and the agreement apart
     on loop tokens (an answer token ending a 9-gram seen earlier in its sequence, loops.py) and
     on the rest ("text"): the held-out set's loops are easy copies that lift the pooled number."""
-    from .loops import repeated
     drafter.eval()
     K = cfg.ttt_steps
     losses, accs, counts = [0.0] * K, [0.0] * K, [0] * K
@@ -396,7 +396,7 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
             with autocast(drafter, cfg):
                 o = ttt_forward(drafter, batch, head_rows, K, cfg.mask_out_of_vocab, keep_logits=True)
             n = batch.ids.shape[1] - 1
-            loop = torch.tensor(repeated(batch.ids[0].tolist()) + [False] * (K + 1))
+            loop = torch.tensor(repeated(batch.ids[0].tolist()))
             for k in range(K):
                 losses[k] += float(o.losses[k]) * o.counts[k]
                 accs[k] += o.accs[k] * o.counts[k]
@@ -445,7 +445,6 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     lengths = getattr(store, "lengths", None)
     cut_lengths = None
     if cfg.loop_cut:      # evaluation keeps whole sequences, so curves of runs with and without compare
-        from .loops import loop_cut_length
         cut_lengths = [loop_cut_length(it["ids"], it["mask"], cfg.loop_cut)
                        for it in (store.get(i, ("ids", "mask")) for i in range(len(store)))]
         kept = sum(cut_lengths[i] for i in train_ids)
