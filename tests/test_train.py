@@ -758,3 +758,54 @@ def test_evaluation_splits_agreement_into_loop_tokens_and_the_rest(target, captu
     n = out["eval_positions"]
     both = (out["eval_acc_loop"][0] * n["loop"] + out["eval_acc_text"][0] * n["text"]) / (n["loop"] + n["text"])
     assert both == pytest.approx(out["eval_acc"][0], abs=1e-9)
+
+
+def test_later_user_turns_are_prompts_after_their_conversation_and_loops_stop_answers(tmp_path):
+    """regenerate --turns later: each second and later user turn is a prompt rendered after the
+    conversation before it; a conversation is dropped from the turn that brings an MT-bench
+    question on. --stop-loops N ends an answer N repeating tokens into a loop: a prefix of the
+    unstopped answer, whose own loop cut (train --loop-cut N) is the whole of it."""
+    from test_build_support import write_tiny_target
+
+    from eagle_trt.api import load_target_on
+    from eagle_trt.data import mtbench_prompts
+    from eagle_trt.train.data import first_turns, user_turns
+    from eagle_trt.train.loops import loop_cut_length
+    from eagle_trt.train.regenerate import DistillSet, greedy_batch, regenerate
+    target = load_target_on(write_tiny_target(tmp_path / "t"), "cpu", "float32")
+    tok = target.tokenizer()
+    turn = lambda who, text: {"from": who, "value": text}      # noqa: E731
+    convs = [{"id": "c0", "conversations": [turn("human", "Name a tea."), turn("gpt", "Green tea."),
+                                            turn("human", "Another?"), turn("gpt", "Black tea."),
+                                            turn("human", "And a third?"), turn("gpt", "Oolong.")]},
+             {"id": "c1", "conversations": [turn("human", "Hi."), turn("gpt", "Hello."),
+                                            turn("human", mtbench_prompts()[0]), turn("gpt", "Sure."),
+                                            turn("human", "Thanks."), turn("gpt", "Welcome.")]}]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(convs))
+    later = user_turns(tok, "train", 10, 512, path=data, val_fraction=0.0, later=True)
+    assert [sid for sid, _, _ in later] == ["c0#t2", "c0#t3"]
+    messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                for t in convs[0]["conversations"]]
+    for (_, text, ids), end in zip(later, (2, 4)):
+        want = tok.apply_chat_template(messages[:end + 1], add_generation_prompt=True)
+        assert text == messages[end]["content"] and ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert [sid for sid, _, _ in first_turns(tok, "train", 10, 512, path=data, val_fraction=0.0)] == ["c0", "c1"]
+    assert [sid for sid, _, _ in user_turns(tok, "train", 10, len(later[0][2]), path=data, val_fraction=0.0,
+                                            later=True)] == ["c0#t2"]     # the third turn's prompt is longer
+
+    with torch.no_grad():    # layers that add nothing: the next token depends on the last one only, so greedy cycles
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (5, 9, 6, 12)]
+    full = greedy_batch(target.model, prompts, 200, set())
+    stopped = greedy_batch(target.model, prompts, 200, set(), stop_loops=6)
+    assert any(len(s) < len(f) for s, f in zip(stopped, full)), "no answer looped: the check would be vacuous"
+    for p, s, f in zip(prompts, stopped, full):
+        assert f[:len(s)] == s
+        assert loop_cut_length(p + f, [0] * len(p) + [1] * len(f), 6) == len(p) + len(s)
+    regenerate(target, tmp_path / "later", "train", 8, 512, 40, 4, log=lambda _: None, later_turns=True, stop_loops=6)
+    settings = DistillSet(tmp_path / "later").provenance["settings"]
+    assert settings["turns"] == "later" and settings["stop_loops"] == 6

@@ -200,7 +200,21 @@ def first_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: 
     split, with min_tokens <= len(ids) <= max_tokens, in file order, MT-bench questions rejected.
     A tokenizer without a chat template (a base model) gets the plain text, as `generate` and
     the parity stage give it."""
+    return user_turns(tokenizer, split, count, max_tokens, min_tokens, path, val_fraction, later=False)
+
+
+def user_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: int = 1,
+               path: str | Path | None = None, val_fraction: float = DataConfig.val_fraction, later: bool = False
+               ) -> list[tuple[str, str, list[int]]]:
+    """first_turns, or with `later` the second and later user turns of each conversation (ids
+    "ID#tK", K = 2, 3, ...), each rendered after the conversation before it (the earlier turns'
+    ShareGPT answers included) and kept when the whole prompt fits max_tokens: three times the
+    first turns' prompts, on follow-up questions. Conversations split by their own id, so a
+    conversation's turns all land in one split; a conversation with an MT-bench question in any
+    turn up to the prompt's is rejected."""
     chat = bool(getattr(tokenizer, "chat_template", None))
+    if later and not chat:
+        raise DataError("later user turns need a chat template (the target's tokenizer has none)")
     path = Path(path) if path else sharegpt_file()
     guard, out = MTBenchGuard(), []
     for n, item in enumerate(iter_json_array(path)):
@@ -212,15 +226,17 @@ def first_turns(tokenizer, split: str, count: int, max_tokens: int, min_tokens: 
         if not in_split(sid, split, val_fraction):
             continue
         messages = to_messages(item)
-        if not messages or guard.find(messages[:1]) is not None:
-            continue
-        if chat:
-            ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = list(tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"])
-        if min_tokens <= len(ids) <= max_tokens:
-            out.append((sid, messages[0]["content"], ids))
+        ends = range(2, len(messages), 2) if later else range(0, min(len(messages), 1))   # user turns' indices
+        for end in ends:
+            if len(out) >= count or guard.find(messages[:end + 1]) is not None:
+                break
+            if chat:
+                ids = tokenizer.apply_chat_template(messages[:end + 1], add_generation_prompt=True)
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            else:
+                ids = list(tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"])
+            if min_tokens <= len(ids) <= max_tokens:
+                out.append((f"{sid}#t{end // 2 + 1}" if later else sid, messages[end]["content"], ids))
     return out
 
 
@@ -256,4 +272,4 @@ def load_samples(tokenizer, cfg: DataConfig, guard: MTBenchGuard | None = None) 
 
 
 __all__ = ["DataConfig", "DataError", "DataStats", "MTBenchGuard", "Sample", "first_turns", "in_split", "iter_json_array",
-           "load_samples", "render", "sharegpt_file", "to_messages"]
+           "load_samples", "render", "sharegpt_file", "to_messages", "user_turns"]

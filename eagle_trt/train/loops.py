@@ -24,6 +24,24 @@ def repeated(ids: list[int], n: int = NGRAM) -> list[bool]:
     return out
 
 
+class LoopRun:
+    """repeated() token by token: how many answer tokens in a row have repeated so far."""
+
+    def __init__(self, prompt: list[int], n: int = NGRAM):
+        self.n, self.ids, self.run = n, list(prompt), 0
+        self.seen = {tuple(prompt[i - n + 1:i + 1]) for i in range(n - 1, len(prompt))}
+
+    def add(self, token: int) -> int:
+        self.ids.append(token)
+        if len(self.ids) < self.n:
+            self.run = 0
+            return 0
+        gram = tuple(self.ids[-self.n:])
+        self.run = self.run + 1 if gram in self.seen else 0
+        self.seen.add(gram)
+        return self.run
+
+
 def loop_cut_length(ids: torch.Tensor | list[int], mask: torch.Tensor | list[int], window: int) -> int:
     """The sequence length to train on: through the first run of `window` repeated answer tokens
     (mask 1: assistant text), so `window` tokens of the loop are kept; the whole sequence if it
@@ -40,4 +58,4 @@ def loop_cut_length(ids: torch.Tensor | list[int], mask: torch.Tensor | list[int
     return len(ids)
 
 
-__all__ = ["NGRAM", "loop_cut_length", "repeated"]
+__all__ = ["NGRAM", "LoopRun", "loop_cut_length", "repeated"]

