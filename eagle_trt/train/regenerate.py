@@ -257,12 +257,13 @@ def write_feature_shard(path: Path, target, samples: list[Sample], feats: list[d
 def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_tokens: int, max_new_tokens: int,
                batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
                time_budget_s: float | None = None, log=print, prompts_file: Path | None = None,
-               later_turns: bool = False, stop_loops: int = 0) -> dict:
+               later_turns: bool = False, stop_loops: int = 0, data: Path | None = None) -> dict:
     """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
     workers == worker), skipping chunks already in `out`. Returns the set's counts.
     prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package.
     later_turns: the conversations' second and later user turns (data.user_turns) instead of
-    the first; stop_loops: end an answer N tokens into a loop (greedy_batch)."""
+    the first; stop_loops: end an answer N tokens into a loop (greedy_batch); data: a ShareGPT-style
+    JSON file instead of the package's."""
     if stop_loops < 0:
         raise DistillError(f"stop_loops must be >= 0 (0: off), got {stop_loops}")
     tok = target.tokenizer()
@@ -291,7 +292,7 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
                                    f"{provenance[key]}; use another --out")
     _write_provenance(out, provenance)
     prompts = (read_prompts(prompts_file, target, split, max_prompt_tokens, later_turns)[:max_prompts] if prompts_file
-               else user_turns(tok, split, max_prompts, max_prompt_tokens, later=later_turns))
+               else user_turns(tok, split, max_prompts, max_prompt_tokens, path=data, later=later_turns))
     todo = [c for c in range(-(-len(prompts) // CHUNK)) if c % workers == worker
             and not (out / f"{chunk_name(c)}.npz").is_file()]
     log(f"regenerate: {len(prompts)} prompts in {-(-len(prompts) // CHUNK)} chunks, {len(todo)} to do by worker "
