@@ -14,32 +14,29 @@ import torch
 NGRAM = 9     # a token repeats when it ends an n-gram already seen earlier in the sequence
 
 
-def repeated(ids: list[int], n: int = NGRAM) -> list[bool]:
-    """Per position: the token ends an n-gram that occurred earlier in `ids`."""
-    seen, out = set(), [False] * len(ids)
-    for i in range(n - 1, len(ids)):
-        gram = tuple(ids[i - n + 1:i + 1])
-        out[i] = gram in seen
-        seen.add(gram)
-    return out
-
-
 class LoopRun:
-    """repeated() token by token: how many answer tokens in a row have repeated so far."""
+    """Token by token: does each token end an n-gram seen earlier in the sequence (the prompt
+    included), and how many answer tokens in a row have."""
 
     def __init__(self, prompt: list[int], n: int = NGRAM):
         self.n, self.ids, self.run = n, list(prompt), 0
         self.seen = {tuple(prompt[i - n + 1:i + 1]) for i in range(n - 1, len(prompt))}
 
     def add(self, token: int) -> int:
+        """The run of repeated tokens this one ends (0: it does not repeat)."""
         self.ids.append(token)
-        if len(self.ids) < self.n:
-            self.run = 0
-            return 0
         gram = tuple(self.ids[-self.n:])
-        self.run = self.run + 1 if gram in self.seen else 0
-        self.seen.add(gram)
+        repeats = len(gram) == self.n and gram in self.seen
+        if len(gram) == self.n:
+            self.seen.add(gram)
+        self.run = self.run + 1 if repeats else 0
         return self.run
+
+
+def repeated(ids: list[int], n: int = NGRAM) -> list[bool]:
+    """Per position: the token ends an n-gram that occurred earlier in `ids`."""
+    loop = LoopRun([], n)
+    return [loop.add(t) > 0 for t in ids]
 
 
 def loop_cut_length(ids: torch.Tensor | list[int], mask: torch.Tensor | list[int], window: int) -> int:
