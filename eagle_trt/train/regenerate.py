@@ -271,7 +271,10 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
     out.mkdir(parents=True, exist_ok=True)
     settings = {"split": split, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
                 "val_fraction": DataConfig.val_fraction, "chunk": CHUNK, "eos_ids": sorted(eos)}
-    settings.update({"turns": "later"} if later_turns else {}, **({"stop_loops": stop_loops} if stop_loops else {}))
+    if later_turns:          # set only when on: the first-turn set's settings stay what they were
+        settings["turns"] = "later"
+    if stop_loops:
+        settings["stop_loops"] = stop_loops
     turns = ("second and later user turns in file order, each after the conversation before it (ShareGPT's "
              "answers included)" if later_turns else "first user turns in file order")
     provenance = {
