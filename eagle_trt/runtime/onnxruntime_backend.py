@@ -144,7 +144,7 @@ class Bindings:
     makes the other buffers."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
-                 width_buffers=None, keep: int = 64, keep_rows: int = 16):
+                 width_buffers=None, keep: int = 16, keep_rows: int = 16):
         self.session, self.kv_names, self.keep, self.keep_rows = session, kv_names, keep, keep_rows
         self.make_buffers, self.make_width_buffers = buffers, width_buffers
         self.entries: dict[tuple, Bound] = {}
