@@ -11,10 +11,10 @@ cache in the distillation set's format; an evaluation set, never training data):
 teacher-forced agreement as the held-out ShareGPT set, on the prompts `evaluate` and `bench`
 measure acceptance on. --target-confidence also prints the target's own mean top-1
 probability on the answer tokens: how predictable its greedy text is at all. --split-loops
-also prints the agreement (evaluate() computes it) on answer tokens that repeat the sequence's own earlier 9-grams
-(loops, eagle_trt/train/loops.py) apart from the rest: greedy answers of a small target loop,
-and the easy loop tokens lift the overall number (37% of the held-out ShareGPT positions, 10%
-of MT-bench's).
+also prints evaluate()'s agreement on answer tokens that repeat their sequence's own earlier
+9-grams (loops, eagle_trt/train/loops.py) apart from the rest: greedy answers of a small
+target loop, and the easy loop tokens lift the overall number (37% of the held-out ShareGPT
+positions, 10% of MT-bench's).
 """
 from __future__ import annotations
 

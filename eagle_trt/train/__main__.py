@@ -233,8 +233,7 @@ def main(argv=None) -> int:
 
     if distilled is not None:
         store = distilled
-        sets = [{"dir": str(d), "digest": set_digest(d), **DistillSet(d).counts()} for d in args.distill]
-        info["distill"] = sets
+        info["distill"] = [{"dir": str(d), "digest": set_digest(d), **DistillSet(d).counts()} for d in args.distill]
     elif online:
         samples, stats = load_samples(target.tokenizer(), data_cfg)
         print(f"data: {stats.kept} conversations, {stats.tokens} tokens; target features online on {device}")

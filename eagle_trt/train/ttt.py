@@ -225,6 +225,9 @@ class TTTOutput:
     accs: list[float]          # per step, top-1 agreement with the target's greedy token
     counts: list[int]          # positions counted per step
     logits: list[Tensor] = field(default_factory=list)   # per step [B, T-1, Vd] when asked for
+    # per step [B, rows] bool: the rows counted, and those where the drafter's top-1 is the target's
+    counted: list[Tensor] = field(default_factory=list)
+    hits: list[Tensor] = field(default_factory=list)
 
     def total(self, decay: float) -> Tensor:
         return sum(decay ** k * l for k, l in enumerate(self.losses))
@@ -260,7 +263,6 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
         anchor_causal, anchor_eye = causal[anchors], torch.eye(m, dtype=torch.bool, device=dev).expand(B, m, m)
     past_k, past_v = drafter.empty_past(B)
     out = TTTOutput([], [], [])
-    hits, counts = [], []     # tensors until the end: a host sync inside the loop splits a compiled graph
     for k in range(steps):
         sl = slice(1 + k, 1 + k + n)             # position p = j + 1 + k
         if k == 0 or anchors is None:
@@ -278,17 +280,16 @@ def ttt_forward(drafter: EagleDrafter, batch: Batch, head_rows: Tensor, steps: i
         counted = at(pred_mask)
         valid = counted & t2d[at(argmax)] if mask_out_of_vocab else counted
         out.losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
-        with torch.no_grad():
-            hit = drafter.to_target_ids(step.logits.argmax(-1)) == at(argmax)
-            hits.append((hit & counted).sum())
-            counts.append(counted.sum())
+        with torch.no_grad():   # summed after the loop: a host sync inside it splits a compiled graph
+            out.hits.append((drafter.to_target_ids(step.logits.argmax(-1)) == at(argmax)) & counted)
+            out.counted.append(counted)
         if keep_logits:
             out.logits.append(step.logits)
         hidden = step.feedback                   # z (EAGLE 3.1) or h2 (EAGLE-3), same index j
         if k == 0 and anchors is not None:
             hidden = _rows(hidden, anchors)
-    out.counts = [int(c) for c in counts]
-    out.accs = [float(h) / max(c, 1) for h, c in zip(hits, out.counts)]
+    out.counts = [int(c.sum()) for c in out.counted]
+    out.accs = [float(h.sum()) / max(c, 1) for h, c in zip(out.hits, out.counts)]
     return out
 
 
@@ -394,21 +395,17 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
         for i in ids:
             batch = collate([store.get(i)])
             with autocast(drafter, cfg):
-                o = ttt_forward(drafter, batch, head_rows, K, cfg.mask_out_of_vocab, keep_logits=True)
+                o = ttt_forward(drafter, batch, head_rows, K, cfg.mask_out_of_vocab)
             n = batch.ids.shape[1] - 1
-            loop = torch.tensor(repeated(batch.ids[0].tolist()))
+            # row j of step k predicts token j + 2 + k (zero-padded past the end, never counted there)
+            loop = torch.tensor(repeated(batch.ids[0].tolist()) + [False] * (K + 1), device=o.hits[0].device)
             for k in range(K):
                 losses[k] += float(o.losses[k]) * o.counts[k]
                 accs[k] += o.accs[k] * o.counts[k]
                 counts[k] += o.counts[k]
-                p = torch.arange(n) + 1 + k                 # row j predicts the token after position p
-                rows = p < n
-                p = p[rows]
-                counted = batch.pred_mask[0, p]
-                hit = drafter.to_target_ids(o.logits[k][0][rows].argmax(-1)).cpu() == batch.argmax[0, p]
-                for name, sel in (("loop", loop[p + 1]), ("text", ~loop[p + 1])):
-                    hits[name][k] += int((hit & counted & sel).sum())
-                    seen[name][k] += int((counted & sel).sum())
+                for name, sel in (("loop", loop[2 + k:2 + k + n]), ("text", ~loop[2 + k:2 + k + n])):
+                    hits[name][k] += int((o.hits[k][0] & sel).sum())
+                    seen[name][k] += int((o.counted[k][0] & sel).sum())
     drafter.train()
     return {"eval_loss": [l / max(c, 1) for l, c in zip(losses, counts)],
             "eval_acc": [a / max(c, 1) for a, c in zip(accs, counts)],
