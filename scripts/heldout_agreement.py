@@ -14,7 +14,8 @@ probability on the answer tokens: how predictable its greedy text is at all. --s
 also prints evaluate()'s agreement on answer tokens that repeat their sequence's own earlier
 9-grams (loops, eagle_trt/train/loops.py) apart from the rest: greedy answers of a small
 target loop, and the easy loop tokens lift the overall number (37% of the held-out ShareGPT
-positions, 10% of MT-bench's).
+positions, 10% of MT-bench's). --prompt-context N evaluates with at most N prompt tokens in the
+drafter's own context: how much it reads the prompt itself (docs/training.md).
 """
 from __future__ import annotations
 
@@ -91,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--target-confidence", action="store_true")
     p.add_argument("--split-loops", action="store_true", help="agreement on loop tokens and on the rest, apart")
+    p.add_argument("--prompt-context", type=int, default=0, metavar="N",
+                   help="with at most N prompt tokens in the drafter's own context (the target features "
+                        "keep the whole prompt): how much the drafter reads the prompt; 0: whole prompts")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
         # the training runs evaluate under the autocast they train with (bf16 on these CPUs)
         cfg = TrainConfig(variant=variant, ttt_steps=args.ttt_steps, autocast=auto_autocast(drafter.fc.weight.device))
         used = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))
-        out = evaluate(drafter, store, list(range(len(store))), head[used].clone(), cfg)
+        out = evaluate(drafter, store, list(range(len(store))), head[used].clone(), cfg, args.prompt_context)
         print(f"{folder}: {variant}, {len(store)} sequences, {store.tokens} tokens, {args.ttt_steps} TTT steps\n"
               f"  agreement {' / '.join(f'{x:.3f}' for x in out['eval_acc'])}\n"
               f"  loss      {' / '.join(f'{x:.4f}' for x in out['eval_loss'])}")

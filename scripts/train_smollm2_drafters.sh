@@ -8,12 +8,14 @@
 #   PROMPTS=20480 GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh   # only more data
 #   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # leg 2: the first 20 chunks
 #   GEN_MIN=0 VARIANTS=eagle3 TRAIN_MIN=150 bash scripts/train_smollm2_drafters.sh   # one variant catching up
+#   GEN_MIN=0 TRAIN_MIN=60 EXTRA_DISTILL=data/distill/smollm2-sharegpt-later bash scripts/train_smollm2_drafters.sh
 #
 # On a machine that did not generate the data, the target features are recomputed from the ids:
 # float32 ~290 tokens/s per core, bf16 autocast (FEATURE_PRECISION=bfloat16, the default) ~750 on
 # a CPU with native bf16 (AVX-512 BF16 / AMX; elsewhere bf16 is slow: set float32). CHUNKS=K
 # trains on the first K chunks only, so a leg's budget is not spent on features it has no time
-# to train on.
+# to train on. EXTRA_DISTILL (folders, space-separated) adds committed sets made otherwise, e.g. the
+# later-turn set of `regenerate --turns later` (docs/training.md).
 #
 # Stages (each resumable; run the script again after an interruption):
 # 1. python -m eagle_trt.train.regenerate, two workers: the target's greedy answers to ShareGPT
@@ -60,12 +62,17 @@ if [ -n "${CHUNKS:-}" ]; then
     cp data/distill/smollm2-sharegpt/provenance.json "$DATA/"
     for f in $(ls data/distill/smollm2-sharegpt/chunk_*.npz | sort | head -n "$CHUNKS"); do ln -s "$(realpath "$f")" "$DATA/"; done
 fi
+DISTILL_ARGS=(--distill "$DATA")
+for extra in ${EXTRA_DISTILL:-}; do
+    [ -f "$extra/provenance.json" ] || { echo "EXTRA_DISTILL: $extra is not a distillation set (no provenance.json)" >&2; exit 2; }
+    DISTILL_ARGS+=(--distill "$extra")
+done
 # target features of every chunk (those written on the side by regenerate on this machine are reused)
-python -m eagle_trt.train --target smollm2 --distill "$DATA" \
+python -m eagle_trt.train --target smollm2 "${DISTILL_ARGS[@]}" \
     --eval-distill data/distill/smollm2-val --features-only --threads 2 --feature-precision "$FEATURE_PRECISION"
 for variant in $VARIANTS; do
     python -m eagle_trt.train --target smollm2 --variant "$variant" --out "$RUN/$variant" \
-        --distill "$DATA" --eval-distill data/distill/smollm2-val \
+        "${DISTILL_ARGS[@]}" --eval-distill data/distill/smollm2-val \
         --init-from "eagle_trt/drafters/smollm2-$variant" --batch-size 4 --lr "$LR" --warmup-steps "$WARMUP" \
         --ttt-steps 5 --ttt-share 0.25 --freeze-head --length-groups 16 --loop-cut "$LOOP_CUT" --seed 0 --steps 1000000 --save-every 200 --log-every 20 --threads 1 \
         --time-budget-min "$TRAIN_MIN" --schedule budget --feature-precision "$FEATURE_PRECISION" > "$RUN/$variant.log" 2>&1 &
@@ -73,7 +80,7 @@ done
 wait
 for variant in $VARIANTS; do   # a leg that ends below the shipped drafter's held-out agreement stays in $RUN
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
-        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks, loop cut $LOOP_CUT (scripts/train_smollm2_drafters.sh)" \
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks${EXTRA_DISTILL:+ + $EXTRA_DISTILL}, loop cut $LOOP_CUT (scripts/train_smollm2_drafters.sh)" \
         || echo "$variant: not shipped (see above); the run is in $RUN/$variant"
 done
 python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \

@@ -754,6 +754,13 @@ def test_evaluation_splits_agreement_into_loop_tokens_and_the_rest(target, captu
     assert out["eval_positions"]["loop"] > 0 and out["eval_positions"]["text"] > 0
     alone = evaluate(make_drafter(target, vocab, capture, "eagle3.1"), online, [0], head_rows(target, vocab), cfg)
     assert alone["eval_positions"]["loop"] >= 15          # the loop's tokens from its second turn on
+    # a drafter context cut to 2 prompt tokens still predicts every answer position
+    from eagle_trt.train.ttt import context_start
+    assert [context_start(m, k) for m, k in (([0] * 6 + [1] * 3, 2), ([0] * 6 + [1] * 3, 0), ([0, 1, 1], 5),
+                                               ([0, 0, 0], 2))] == [4, 0, 0, 0]
+    cut = evaluate(make_drafter(target, vocab, capture, "eagle3.1"), online, list(range(6)), head_rows(target, vocab),
+                   cfg, prompt_context=2)
+    assert cut["eval_positions"] == out["eval_positions"]
     # step 1: the split recombines into the pooled agreement
     n = out["eval_positions"]
     both = (out["eval_acc_loop"][0] * n["loop"] + out["eval_acc_text"][0] * n["text"]) / (n["loop"] + n["text"])

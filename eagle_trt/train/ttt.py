@@ -195,6 +195,15 @@ def collate(items: list[dict]) -> Batch:
     return Batch(ids, captured, normed, argmax, pred_mask, sum(int(it["ids"].shape[0]) for it in items))
 
 
+def context_start(mask: Tensor | list[int], keep: int) -> int:
+    """Where a sequence starts when at most `keep` prompt tokens stay before its first answer
+    token (mask 1); 0 for keep = 0 (everything) or a sequence without answer tokens."""
+    mask = mask.tolist() if isinstance(mask, Tensor) else list(mask)
+    if not keep or 1 not in mask:
+        return 0
+    return max(0, mask.index(1) - keep)
+
+
 def fetch_batch(store, indices: list[int], lengths: list[int] | None = None) -> Batch:
     """The training batch of `indices`: one padded target forward where the store computes
     features online (OnlineFeatures.padded), else collate() of the cached sequences.
@@ -382,10 +391,12 @@ def autocast(drafter: EagleDrafter, cfg: TrainConfig):
 
 
 def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_rows: Tensor,
-             cfg: TrainConfig) -> dict:
+             cfg: TrainConfig, prompt_context: int = 0) -> dict:
     """Loss and top-1 agreement per TTT step over the sequences `ids`, and the agreement apart
     on loop tokens (an answer token ending a 9-gram seen earlier in its sequence, loops.py) and
-    on the rest ("text"): the held-out set's loops are easy copies that lift the pooled number."""
+    on the rest ("text"): the held-out set's loops are easy copies that lift the pooled number.
+    prompt_context N: the drafter's own context cut to N prompt tokens before the answer (the
+    target features keep the whole prompt): how much the drafter reads the prompt itself."""
     drafter.eval()
     K = cfg.ttt_steps
     losses, accs, counts = [0.0] * K, [0.0] * K, [0] * K
@@ -393,12 +404,15 @@ def evaluate(drafter: EagleDrafter, store: FeatureStore, ids: list[int], head_ro
     seen = {"loop": [0] * K, "text": [0] * K}
     with torch.no_grad():
         for i in ids:
-            batch = collate([store.get(i)])
+            item = store.get(i)
+            start = context_start(item["mask"], prompt_context)
+            loop = repeated(item["ids"].tolist())[start:]    # n-grams seen before the start still count
+            batch = collate([{k: v[start:] for k, v in item.items()}])
             with autocast(drafter, cfg):
                 o = ttt_forward(drafter, batch, head_rows, K, cfg.mask_out_of_vocab)
             n = batch.ids.shape[1] - 1
             # row j of step k predicts token j + 2 + k (zero-padded past the end, never counted there)
-            loop = torch.tensor(repeated(batch.ids[0].tolist()) + [False] * (K + 1), device=o.hits[0].device)
+            loop = torch.tensor(loop + [False] * (K + 1), device=o.hits[0].device)
             for k in range(K):
                 losses[k] += float(o.losses[k]) * o.counts[k]
                 accs[k] += o.accs[k] * o.counts[k]
@@ -552,5 +566,6 @@ def train(drafter: EagleDrafter, store: FeatureStore, head_rows: Tensor, cfg: Tr
     return TrainResult(history, step, step >= cfg.steps)
 
 
-__all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "evaluate", "fetch_batch",
+__all__ = ["Batch", "TTTOutput", "TrainConfig", "TrainError", "TrainResult", "batch_indices", "collate", "context_start",
+           "evaluate", "fetch_batch",
            "lr_at", "new_drafter", "sample_anchors", "train", "trainable_state", "ttt_forward", "autocast", "auto_autocast", "INITS", "init_from_target_layer"]
