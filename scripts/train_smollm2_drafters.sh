@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
-# One leg of the SmolLM2 drafter training campaign, for any fresh machine with 2 cores: grow the
+# One leg of the SmolLM2 drafter training campaign, for any fresh machine with 2 cores: grow a
 # committed distillation set, then continue both shipped drafters (EAGLE 3.1 and EAGLE-3) with the
 # same data, CPU time and seed, one core each, and ship them. Each leg adds to what the last
 # one left in the repository (data/distill/, eagle_trt/drafters/); nothing else must survive.
 #
 #   GEN_MIN=45 TRAIN_MIN=55 bash scripts/train_smollm2_drafters.sh
-#   PROMPTS=20480 GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh   # only more data
+#   GEN_SET=sampled GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh  # only more data
 #   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # leg 2: the first 20 chunks
 #   GEN_MIN=0 VARIANTS=eagle3 TRAIN_MIN=150 bash scripts/train_smollm2_drafters.sh   # one variant catching up
-#   GEN_MIN=0 TRAIN_MIN=60 EXTRA_DISTILL=data/distill/smollm2-sharegpt-later bash scripts/train_smollm2_drafters.sh
+#   GEN_MIN=0 TRAIN_MIN=60 SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-later" bash ...
+#
+# The sets (docs/training.md#what-survives-between-legs): GEN_SET=first, the greedy answers to
+# ShareGPT first turns (data/distill/smollm2-sharegpt, all 14,283 answered); later (the default),
+# greedy answers to second and later turns after their conversation (smollm2-sharegpt-later);
+# sampled, the first turns answered again at temperature 0.7 (smollm2-sharegpt-t07). A leg trains
+# on every committed set (SETS overrides: folders, space-separated).
 #
 # On a machine that did not generate the data, the target features are recomputed from the ids:
 # float32 ~290 tokens/s per core, bf16 autocast (FEATURE_PRECISION=bfloat16, the default) ~750 on
 # a CPU with native bf16 (AVX-512 BF16 / AMX; elsewhere bf16 is slow: set float32). CHUNKS=K
 # trains on the first K chunks only, so a leg's budget is not spent on features it has no time
-# to train on. EXTRA_DISTILL (folders, space-separated) adds committed sets made otherwise, e.g. the
-# later-turn set of `regenerate --turns later` (docs/training.md).
+# to train on (of the first-turn set; the other sets are trained on whole).
 #
 # Stages (each resumable; run the script again after an interruption):
-# 1. python -m eagle_trt.train.regenerate, two workers: the target's greedy answers to ShareGPT
-#    first turns, chunk by chunk, into data/distill/smollm2-sharegpt (commit it), for GEN_MIN
-#    minutes; the held-out set data/distill/smollm2-val once.
+# 1. python -m eagle_trt.train.regenerate, two workers: the target's answers for GEN_SET, chunk
+#    by chunk (commit them), for GEN_MIN minutes; the held-out set data/distill/smollm2-val once.
 # 2. python -m eagle_trt.train for both variants from the shipped weights (--init-from), cosine
 #    decay over TRAIN_MIN minutes (--schedule budget), anchored TTT and a frozen head (what
 #    scripts/cpu_minute_ablation.sh found to make a CPU minute count), eval on the held-out set.
@@ -28,8 +32,8 @@
 #    run ended below the shipped drafter's held-out agreement.
 set -euo pipefail
 CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
-PROMPTS=${PROMPTS:-10240}
 GEN_MIN=${GEN_MIN:-45}
+GEN_SET=${GEN_SET:-later}
 TRAIN_MIN=${TRAIN_MIN:-55}
 # Every continued leg dipped where the learning rate restarted (6e-4, then 4e-4 in legs 7-8: leg 8's
 # held-out agreement passed its start only after ~70% of the leg), so the next legs restart lower.
@@ -45,9 +49,15 @@ mkdir -p "$RUN"
 
 [ -f data/distill/smollm2-val/chunk_00000.npz ] || python -m eagle_trt.train.regenerate --out data/distill/smollm2-val \
     --split val --max-prompts 64 --threads 2
+case "$GEN_SET" in
+    first) GEN_ARGS=(--out data/distill/smollm2-sharegpt) ;;
+    later) GEN_ARGS=(--out data/distill/smollm2-sharegpt-later --turns later --stop-loops 16 --max-prompt-tokens 512) ;;
+    sampled) GEN_ARGS=(--out data/distill/smollm2-sharegpt-t07 --temperature 0.7 --top-p 0.95 --seed 0 --stop-loops 16) ;;
+    *) echo "GEN_SET must be first, later or sampled, got '$GEN_SET'" >&2; exit 2 ;;
+esac
 if [ "$GEN_MIN" != 0 ]; then
     for w in 0 1; do
-        python -m eagle_trt.train.regenerate --out data/distill/smollm2-sharegpt --max-prompts "$PROMPTS" \
+        python -m eagle_trt.train.regenerate "${GEN_ARGS[@]}" --max-prompts 20480 \
             --workers 2 --worker $w --threads 1 --time-budget-min "$GEN_MIN" > "$RUN/regenerate-$w.log" 2>&1 &
     done
     wait
@@ -62,10 +72,11 @@ if [ -n "${CHUNKS:-}" ]; then
     cp data/distill/smollm2-sharegpt/provenance.json "$DATA/"
     for f in $(ls data/distill/smollm2-sharegpt/chunk_*.npz | sort | head -n "$CHUNKS"); do ln -s "$(realpath "$f")" "$DATA/"; done
 fi
-DISTILL_ARGS=(--distill "$DATA")
-for extra in ${EXTRA_DISTILL:-}; do
-    [ -f "$extra/provenance.json" ] || { echo "EXTRA_DISTILL: $extra is not a distillation set (no provenance.json)" >&2; exit 2; }
-    DISTILL_ARGS+=(--distill "$extra")
+DISTILL_ARGS=()
+for folder in ${SETS:-data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-*}; do
+    [ -f "$folder/provenance.json" ] || { echo "SETS: $folder is not a distillation set (no provenance.json)" >&2; exit 2; }
+    [ "$folder" = data/distill/smollm2-sharegpt ] && folder=$DATA      # or its CHUNKS snapshot
+    DISTILL_ARGS+=(--distill "$folder")
 done
 # target features of every chunk (those written on the side by regenerate on this machine are reused)
 python -m eagle_trt.train --target smollm2 "${DISTILL_ARGS[@]}" \
@@ -80,7 +91,7 @@ done
 wait
 for variant in $VARIANTS; do   # a leg that ends below the shipped drafter's held-out agreement stays in $RUN
     python scripts/ship_drafters.py "$RUN/$variant" "eagle_trt/drafters/smollm2-$variant" \
-        --note "continued from the shipped weights for $TRAIN_MIN min on one core, ${CHUNKS:-all} chunks${EXTRA_DISTILL:+ + $EXTRA_DISTILL}, loop cut $LOOP_CUT (scripts/train_smollm2_drafters.sh)" \
+        --note "continued from the shipped weights for $TRAIN_MIN min on one core, sets ${SETS:-all} (first-turn chunks: ${CHUNKS:-all}), loop cut $LOOP_CUT (scripts/train_smollm2_drafters.sh)" \
         || echo "$variant: not shipped (see above); the run is in $RUN/$variant"
 done
 python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
