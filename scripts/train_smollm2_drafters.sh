@@ -17,8 +17,8 @@
 # on every committed set (SETS overrides: folders, space-separated).
 #
 # On a machine that did not generate the data, the target features are recomputed from the ids:
-# float32 ~290 tokens/s per core, bf16 autocast (FEATURE_PRECISION=bfloat16, the default) ~750 on
-# a CPU with native bf16 (AVX-512 BF16 / AMX; elsewhere bf16 is slow: set float32). CHUNKS=K
+# float32 ~290 tokens/s per core, bf16 autocast ~750 on a CPU with native bf16 (AVX-512 BF16 /
+# AMX) and ~40 elsewhere: FEATURE_PRECISION=auto (the default) picks bfloat16 only where it is native. CHUNKS=K
 # trains on the first K chunks only, so a leg's budget is not spent on features it has no time
 # to train on (of the first-turn set; the other sets are trained on whole).
 #
@@ -39,7 +39,7 @@ TRAIN_MIN=${TRAIN_MIN:-55}
 # held-out agreement passed its start only after ~70% of the leg), so the next legs restart lower.
 LR=${LR:-2e-4}
 WARMUP=${WARMUP:-50}
-FEATURE_PRECISION=${FEATURE_PRECISION:-bfloat16}
+FEATURE_PRECISION=${FEATURE_PRECISION:-auto}
 # LOOP_CUT=N trains each sequence only through its first N tokens of looping answer text
 # (eagle_trt/train/loops.py: 41% of the committed answers' tokens repeat the answer's own 9-grams)
 LOOP_CUT=${LOOP_CUT:-0}
