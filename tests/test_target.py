@@ -91,7 +91,9 @@ def test_kv_cache_decoding_equals_full_forward(tiny_target):
             past_k = [torch.cat((a, b), 2) for a, b in zip(past_k, step.new_k)]     # [B, Hkv, rows, D]
             past_v = [torch.cat((a, b), 2) for a, b in zip(past_v, step.new_v)]
             rows.append(step.logits)
-    assert (torch.cat(rows, 1) - full.logits).abs().max() <= 1e-5
+    # fp32 rounding of one-row against 50-row matmuls: 1.06e-5 on an AVX2-only EPYC (below 1e-5 on
+    # AVX-512 ones); a wrong past moves them by >= 0.1 (a row missing: 0.51, one key row wrong: 0.13)
+    assert (torch.cat(rows, 1) - full.logits).abs().max() <= 3e-5
 
 
 def test_tree_mask_equals_running_each_path(tiny_target):
