@@ -50,6 +50,12 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 autocast pays on `device`: CUDA, or a CPU with native bf16 (without it, bf16
+    autocast computed training features 7x slower than float32 on an AVX2 EPYC)."""
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+
+
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name)

@@ -459,9 +459,10 @@ def test_bf16_features_are_recorded_per_shard_and_close_to_float32(target, captu
 def test_auto_feature_precision_is_bf16_only_where_it_is_native(monkeypatch):
     """--feature-precision auto (the leg script's default): bf16 autocast ran 7x slower than
     float32 on an AVX2-only CPU, so auto picks it only on CUDA or a CPU with native bf16."""
+    from eagle_trt import devices
     from eagle_trt.train.features import resolve_precision
     for native in (True, False):
-        monkeypatch.setattr(features_mod, "cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(devices, "cpu_has_bf16", lambda native=native: native)
         assert resolve_precision("auto", torch.device("cpu")) == ("bfloat16" if native else "float32")
     assert resolve_precision("auto", torch.device("cuda")) == "bfloat16"
     assert resolve_precision("float32", torch.device("cuda")) == "float32"

@@ -27,8 +27,8 @@ from ..checkpoints import CheckpointError, cache_dir, load_drafter, load_target,
 from ..config import CaptureLayers, ConfigError
 from ..devices import add_device_options, resolve_device
 from .data import DataConfig, load_samples
-from .features import (MANIFEST, PRECISIONS, resolve_precision, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures,
-                       atomic_json, extract_features, tokens_by_precision)
+from .features import (MANIFEST, PRECISIONS, ConcatStore, FeatureError, FeatureConfig, FeatureStore, OnlineFeatures,
+                       atomic_json, extract_features, resolve_precision, tokens_by_precision)
 from .regenerate import DistillError, DistillSet, set_digest
 from .regenerate import features_dir as distill_features_dir
 from .ttt import INITS, TrainConfig, auto_autocast, new_drafter, train

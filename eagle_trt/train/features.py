@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from ..checkpoints import LoadedTarget
 from ..config import CaptureLayers
-from ..devices import cpu_has_bf16
+from ..devices import native_bf16
 from ..models.target import causal_mask
 from .data import Sample
 
@@ -53,10 +53,9 @@ class FeatureError(ValueError):
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """A feature precision for `device`: "auto" is bfloat16 where bf16 is native (CUDA, CPUs with
-    AVX-512 BF16 / AMX: 2.6x float32's tokens/s) and float32 elsewhere (bf16 autocast without
-    native support ran 7x slower than float32 on an AVX2 EPYC)."""
+    AVX-512 BF16 / AMX: 2.6x float32's tokens/s), float32 elsewhere."""
     if precision == "auto":
-        return "bfloat16" if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()) else "float32"
+        return "bfloat16" if native_bf16(device) else "float32"
     if precision not in PRECISIONS:
         raise FeatureError(f"feature precision {precision!r}: expected auto or one of {', '.join(PRECISIONS)}")
     return precision
@@ -370,5 +369,6 @@ def tokens_by_precision(store) -> dict[str, int]:
     return {p: sum(n for n, q in zip(store.lengths, store.precisions) if q == p) for p in sorted(set(store.precisions))}
 
 
-__all__ = ["resolve_precision", "ConcatStore", "FEATURE_FORMAT", "OnlineFeatures", "FeatureConfig", "FeatureError", "FeatureStore", "PRECISIONS",
-           "extract_features", "padded_features", "target_features", "target_identity", "tokens_by_precision"]
+__all__ = ["ConcatStore", "FEATURE_FORMAT", "OnlineFeatures", "FeatureConfig", "FeatureError", "FeatureStore", "PRECISIONS",
+           "extract_features", "padded_features", "resolve_precision", "target_features", "target_identity",
+           "tokens_by_precision"]

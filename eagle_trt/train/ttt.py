@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..config import CaptureLayers, DrafterConfig, TargetConfig
-from ..devices import cpu_has_bf16
+from ..devices import native_bf16
 from ..models.drafter import EagleDrafter
 from ..models.target import causal_mask
 from .features import FeatureStore
@@ -381,7 +381,7 @@ class TrainResult:
 def auto_autocast(device: torch.device) -> str:
     """The autocast `--autocast auto` picks: bf16 on CUDA and on CPUs with native bf16
     (AVX-512 BF16 / AMX), else none."""
-    return "bf16" if device.type == "cuda" or cpu_has_bf16() else "none"
+    return "bf16" if native_bf16(device) else "none"
 
 
 def autocast(drafter: EagleDrafter, cfg: TrainConfig):
