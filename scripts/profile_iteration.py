@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from eagle_trt.api import prepare_models, real_prompt_ids
 from eagle_trt.bench import parse_tree
@@ -129,12 +129,14 @@ def main(argv=None) -> int:
     profiler.enable()
     run(ort, measured, args.max_new_tokens, batched, args.streams)
     profiler.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
-    stats.print_stats(args.top + 2)
-    lines = [ln for ln in out.getvalue().splitlines() if "run_with_iobinding" not in ln]
-    print("\nhost time by function, under the profiler (ms per iteration = tottime * 1000 / iterations):")
-    print("\n".join(lines[lines.index(next(ln for ln in lines if ln.strip().startswith("ncalls"))):]))
+    rows = sorted(((tt, calls, f"{Path(file).name}:{line}({name})")
+                   for (file, line, name), (_, calls, tt, _, _) in pstats.Stats(profiler).stats.items()
+                   if "run_with_iobinding" not in name), reverse=True)        # graph calls excluded
+    print("\nhost time by function, under the profiler (its own time, callees excluded; torch ops called"
+          "\nthrough operators and indexing count in the caller):")
+    print(f"  {'us/iteration':>12s} {'calls/iteration':>15s}  function")
+    for tt, calls, name in rows[:args.top]:
+        print(f"  {1e6 * tt / iterations:12.1f} {calls / iterations:15.2f}  {name}")
     return 0
 
 

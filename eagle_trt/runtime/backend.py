@@ -12,6 +12,8 @@ length masked out. Padding keeps a sequence's rows one contiguous run, so positi
 the KV rows a graph returns are plain per-sequence offsets."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -69,21 +71,28 @@ class _Batched:
         if len(slots) == 0:
             raise ValueError("a forward pass needs at least one sequence (add_sequence first)")
         self.cache.stage(slots, T)
-        lengths = torch.tensor([self.cache.lengths[b] for b in slots], dtype=torch.int64)
+        committed = self.cache.lengths[slots.start:slots.stop]
         # Sequences with nothing committed yet (a prefill) bind no past at all: not the masked
         # rows of a cache that other sequences have grown (a TensorRT prefill profile stops at
         # its max_past, and those rows would only be read to be masked).
-        longest = int(lengths.max())
+        longest = max(committed)
         width = self.cache.capacity if self.contiguous_past and longest else longest
-        return slots, lengths, width
+        return slots, torch.tensor(committed, dtype=torch.int64), width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:
         return self.cache.past(slots, width, layer)
 
 
+@functools.lru_cache(maxsize=256)
 def logits_rows(T: int, last_only: bool) -> Tensor:
-    """The rows of a T-row call that get logits: the last one (prefill) or all."""
+    """The rows of a T-row call that get logits: the last one (prefill) or all (made once per
+    shape: read, never written)."""
     return torch.arange(T - 1 if last_only else 0, T)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_numbers(width: int, device: torch.device) -> Tensor:
+    return torch.arange(width, device=device)
 
 
 class TargetBackend(_Batched):
@@ -110,7 +119,7 @@ class TargetBackend(_Batched):
     def _forward(self, input_ids, positions, mask, slots, index):
         T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)
         slots, lengths, width = self._stage(slots, T)
-        past = torch.arange(width, device=dev)[None] < lengths.to(dev)[:, None]              # [b, width]
+        past = _row_numbers(width, dev) < lengths.to(dev)[:, None]                           # [b, width]
         full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to(torch.bool)), dim=2)
         logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
         self.cache.write(new_k, new_v)          # held until commit copies the accepted rows

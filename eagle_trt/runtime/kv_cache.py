@@ -135,17 +135,17 @@ class KVCache:
         slots = self.staged_slots
         if len(rows) != len(slots):
             raise ValueError(f"commit got rows for {len(rows)} sequences, {len(slots)} were staged")
-        if any(not 0 <= r < self.staged for seq in rows for r in seq):
-            raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
+        if any(seq and not 0 <= seq[0] <= seq[-1] < self.staged for seq in rows):   # increasing: the ends say it
+            raise IndexError(f"commit rows {rows} are not increasing indices inside the {self.staged} staged rows")
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new = self.new_rows
         runs = _runs(rows[0]) if len(slots) == 1 else []
         if 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
             b, at = slots.start, self.lengths[slots.start]
+            kv, new = self.kv.select(2, b), new.select(2, 0)   # [2, L, Hkv, rows, D]; select / narrow: cheaper than [...]
             for j, r in runs:                        # consecutive rows of K and V go in one copy
-                n = len(r)
-                self.kv[:, :, b, :, at + j:at + j + n] = new[:, :, 0, :, r[0]:r[0] + n]
+                kv.narrow(3, at + j, len(r)).copy_(new.narrow(3, r[0], len(r)))
         elif any(rows):   # rows of (slot, head, row) flattened: index_select / index_copy_, 2x an indexed assignment
             _, L, _, H, S, D = self.kv.shape
             T = new.shape[4]

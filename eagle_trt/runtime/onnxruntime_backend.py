@@ -224,7 +224,7 @@ class OrtTarget(_Timed, TargetBackend):
             eye = torch.eye(pad, dtype=torch.bool).expand(B, pad, pad)
             mask = torch.stack([torch.block_diag(m, e) for m, e in zip(mask.bool(), eye)])
         logits, captured = self._forward(input_ids, positions, mask, slots, index)
-        return logits, captured[:, :T]
+        return logits, (captured[:, :T] if T < self.min_rows else captured)
 
     def _buffers(self, bound: Bound, b: int, T: int, K: int) -> None:
         for name, shape in (("input_ids", [b, T]), ("position_ids", [b, T]), ("logits_index", [K])):
@@ -240,7 +240,7 @@ class OrtTarget(_Timed, TargetBackend):
         bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, len(logits_index))
+        bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, int(logits_index.shape[0]))
         bound.feed(input_ids=input_ids, position_ids=positions, attention_mask=mask, logits_index=logits_index)
         out = bound.buffers
         if self.graph_accepts:
