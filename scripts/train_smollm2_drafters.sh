@@ -35,9 +35,10 @@ CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
 GEN_MIN=${GEN_MIN:-45}
 GEN_SET=${GEN_SET:-later}
 TRAIN_MIN=${TRAIN_MIN:-55}
-# Every continued leg dipped where the learning rate restarted (6e-4, then 4e-4 in legs 7-8: leg 8's
-# held-out agreement passed its start only after ~70% of the leg), so the next legs restart lower.
-LR=${LR:-2e-4}
+# Every continued leg dipped where the learning rate restarted (6e-4, 4e-4, 2e-4: leg 8's held-out
+# agreement passed its start only after ~70% of the leg, leg 16's 45 minutes never did); leg 17
+# restarted at 5e-5 and did not dip (docs/training.md).
+LR=${LR:-5e-5}
 WARMUP=${WARMUP:-50}
 FEATURE_PRECISION=${FEATURE_PRECISION:-auto}
 # LOOP_CUT=N trains each sequence only through its first N tokens of looping answer text
