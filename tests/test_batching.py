@@ -39,7 +39,7 @@ def test_kv_cache_slots_compaction_and_moves():
     assert cache.lengths == [1, 3] and cache.k[0, 0, :, :1, 0].tolist() == [[8], [-8]]
     cache.stage(range(1, 2), 70)                                  # grows in chunks, keeps the rows
     assert cache.capacity == 2 * CHUNK and cache.k[0, 1, 1, :3, 0].tolist() == [-4, -5, -6]
-    with pytest.raises(IndexError, match="inside the 70 staged rows"):
+    with pytest.raises(IndexError, match="outside the 70 staged rows"):
         cache.commit([[70]])
     cache.stage(range(1, 2), 2)                                   # one sequence, a run of rows: the slice path
     cache.write([rows[1:2]] * 2, [rows[1:2]] * 2)

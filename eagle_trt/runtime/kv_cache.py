@@ -135,8 +135,8 @@ class KVCache:
         slots = self.staged_slots
         if len(rows) != len(slots):
             raise ValueError(f"commit got rows for {len(rows)} sequences, {len(slots)} were staged")
-        if any(seq and not 0 <= seq[0] <= seq[-1] < self.staged for seq in rows):   # increasing: the ends say it
-            raise IndexError(f"commit rows {rows} are not increasing indices inside the {self.staged} staged rows")
+        if any(seq and not 0 <= min(seq) <= max(seq) < self.staged for seq in rows):   # every row, in C
+            raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new = self.new_rows
