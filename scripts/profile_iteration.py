@@ -24,10 +24,11 @@ from eagle_trt.api import prepare_models, real_prompt_ids
 from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
 from eagle_trt.export import export_pipeline
-from eagle_trt.runtime.backend import DrafterBackend, TargetBackend
+from eagle_trt.runtime.backend import DrafterBackend
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.decoder import Request, Sequence, SpeculativeDecoder
 from eagle_trt.runtime.kv_cache import KVCache
+from eagle_trt.runtime.onnxruntime_backend import OrtTarget
 from eagle_trt.runtime.timing import OrtDecoding, decoding_threads, graph_seconds
 
 
@@ -54,7 +55,7 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
 PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
           (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
           (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV commit"),
-          (TargetBackend, "_forward", "  verification (acceptance in the graph): masks, bind, outputs"),
+          (OrtTarget, "verify", "  verification (acceptance in the graph): inputs, bind, outputs"),
           (KVCache, "commit", "  KV commits: accepted rows copied into place (the drafter's inside drafting)"),
           (Sequence, "extend", "  streaming and stop checks"),
           (SpeculativeDecoder, "add", "joins, outside the step: checks, prefill, first token")]

@@ -22,12 +22,15 @@ from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
 
-def test_kv_cache_slots_compaction_and_moves():
-    cache = KVCache(2, 2, 1, capacity=4)                          # 2 layers, 2 KV heads: [L, B, Hkv, S, D]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_slots_compaction_and_moves(dtype):
+    # float32: the commits' numpy slice copies; bfloat16 (no numpy dtype): the torch paths a GPU takes
+    cache = KVCache(2, 2, 1, capacity=4, dtype=dtype)             # 2 layers, 2 KV heads: [L, B, Hkv, S, D]
+    assert (cache.kv_np is None) == (dtype == torch.bfloat16)
     for _ in range(3):
         cache.add()
     cache.stage(range(3), 3)
-    rows = torch.arange(3 * 3, dtype=torch.float32).reshape(3, 1, 3, 1) + 1   # sequence b, row t: 3b + t + 1
+    rows = torch.arange(3 * 3, dtype=dtype).reshape(3, 1, 3, 1) + 1   # sequence b, row t: 3b + t + 1
     rows = torch.cat((rows, -rows), 1)                            # head 1 holds the negated rows
     cache.write([rows, rows * 10], [rows, rows])
     cache.commit([[0, 2], [0, 1, 2], [1]])

@@ -117,9 +117,10 @@ class BlsDrafter(DrafterBackend):
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         past_k, past_v = self._past(slots, width, 0)
         inputs = [_dl("captured", captured.to(self.device, self.dtype)),
-                  pb_utils.Tensor("input_ids", input_ids.numpy().astype(np.int64)),
+                  pb_utils.Tensor("input_ids", np.asarray(input_ids, dtype=np.int64)),
                   _dl("past_key", past_k), _dl("past_value", past_v),
-                  pb_utils.Tensor("past_lengths", past_lengths.numpy()), pb_utils.Tensor("new_lengths", new_lengths.numpy())]
+                  pb_utils.Tensor("past_lengths", np.asarray(past_lengths, dtype=np.int64)),
+                  pb_utils.Tensor("new_lengths", np.asarray(new_lengths, dtype=np.int64))]
         names = ["tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores", "new_key", "new_value"]
         response = _exec(self.model, inputs, names)
         out = {n: _out(response, n) for n in names}

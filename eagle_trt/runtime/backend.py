@@ -65,8 +65,9 @@ class _Batched:
     def lengths(self) -> list[int]:
         return self.cache.lengths
 
-    def _stage(self, slots: range | None, T: int) -> tuple[range, Tensor, int]:
-        """Stage T rows per sequence; returns the slots, their committed lengths [b] and the past width."""
+    def _stage(self, slots: range | None, T: int) -> tuple[range, list[int], int]:
+        """Stage T rows per sequence; returns the slots, their committed lengths (a list: a backend
+        makes a tensor of them only where its graph needs one) and the past width."""
         slots = slots if slots is not None else range(self.cache.batch)
         if len(slots) == 0:
             raise ValueError("a forward pass needs at least one sequence (add_sequence first)")
@@ -77,7 +78,7 @@ class _Batched:
         # its max_past, and those rows would only be read to be masked).
         longest = max(committed)
         width = self.cache.capacity if self.contiguous_past and longest else longest
-        return slots, torch.tensor(committed, dtype=torch.int64), width
+        return slots, committed, width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:
         return self.cache.past(slots, width, layer)
@@ -119,7 +120,7 @@ class TargetBackend(_Batched):
     def _forward(self, input_ids, positions, mask, slots, index):
         T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)
         slots, lengths, width = self._stage(slots, T)
-        past = _row_numbers(width, dev) < lengths.to(dev)[:, None]                           # [b, width]
+        past = _row_numbers(width, dev) < torch.tensor(lengths, device=dev)[:, None]        # [b, width]
         full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to(torch.bool)), dim=2)
         logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
         self.cache.write(new_k, new_v)          # held until commit copies the accepted rows
@@ -134,6 +135,22 @@ class TargetBackend(_Batched):
     def commit(self, rows: list[list[int]]) -> None:
         """Keep these staged rows of each sequence of the last forward, in order, as its next committed tokens."""
         self.cache.commit(rows)
+
+    def verify(self, roots: list[int], tree: DraftTree | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Verify each sequence's root token (roots[i], the last token it committed) and the nodes
+        of its draft tree (a batch of trees; None: the roots alone, a step of plain decoding), at
+        the positions after its committed rows. Returns logits [b, T, V], captured [b, T, A * H],
+        and the call's input ids [b, T] and tree mask [b, T, T] (acceptance reads them), T = 1 +
+        nodes. Built where the trees are, so a GPU loop copies only the roots and lengths."""
+        dev = tree.tokens.device if tree is not None else torch.device("cpu")
+        lengths = torch.tensor(self.lengths, device=dev)
+        roots_t = torch.tensor(roots, device=dev)[:, None]
+        if tree is not None:
+            ids, positions, mask = torch.cat((roots_t, tree.tokens), 1), lengths[:, None] + tree.depths, tree.mask
+        else:                             # plain decoding: each root alone
+            ids, positions, mask = roots_t, lengths[:, None], torch.ones(len(roots), 1, 1, dtype=torch.bool, device=dev)
+        logits, captured = self.forward(ids, positions, mask)
+        return logits, captured, ids, mask
 
     def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Greedy acceptance of the trees a verification call just scored: what the target graph
@@ -152,17 +169,16 @@ class DrafterBackend(_Batched):
     def reset(self, capacity: int = CHUNK) -> None:
         raise NotImplementedError
 
-    def draft(self, captured: Tensor, input_ids: Tensor, new_lengths: list[int] | None = None,
+    def draft(self, captured: Tensor, input_ids: Tensor | list[list[int]], new_lengths: list[int] | None = None,
               slots: range | None = None) -> DraftTree:
         """Encode newly committed rows (target states [b, T, A * H] of tokens t.., token ids
-        [b, T] of tokens t+1..; sequence i has new_lengths[i] valid rows, the rest padding) into
-        the drafter cache and expand a draft tree from each sequence's last valid row.
-        Returns the batch of trees ([b, ...] fields)."""
-        T = int(input_ids.shape[1])
+        [b, T] of tokens t+1.., a tensor or lists; sequence i has new_lengths[i] valid rows, the
+        rest padding) into the drafter cache and expand a draft tree from each sequence's last
+        valid row. Returns the batch of trees ([b, ...] fields)."""
+        T = int(captured.shape[1])
         slots, lengths, width = self._stage(slots, T)
         new_lengths = new_lengths or [T] * len(slots)
-        tree, new_k, new_v = self._run(captured, input_ids, lengths, torch.tensor(new_lengths, dtype=torch.int64),
-                                       slots, width)
+        tree, new_k, new_v = self._run(captured, input_ids, lengths, new_lengths, slots, width)
         if new_v is None:                              # K and V as one [2, 1, b, Hkv, T, D] block
             self.cache.write(new_k)
         else:                                          # the one cache layer, [1, b, Hkv, T, D] each
@@ -170,8 +186,8 @@ class DrafterBackend(_Batched):
         self.cache.commit([list(range(n)) for n in new_lengths])
         return tree
 
-    def _run(self, captured: Tensor, input_ids: Tensor, past_lengths: Tensor, new_lengths: Tensor, slots: range,
-             width: int) -> tuple[DraftTree, Tensor, Tensor]:
+    def _run(self, captured: Tensor, input_ids: Tensor | list[list[int]], past_lengths: list[int],
+             new_lengths: list[int], slots: range, width: int) -> tuple[DraftTree, Tensor, Tensor]:
         """One drafter-tree call: the trees and the drafter KV rows of the T inputs [b, Hkv, T, D]
         (or new_k both as one [2, 1, b, Hkv, T, D] block, new_v None)."""
         raise NotImplementedError
@@ -180,8 +196,9 @@ class DrafterBackend(_Batched):
 def tree_from_outputs(out: dict[str, Tensor]) -> DraftTree:
     """A DraftTree from a drafter-tree graph's named outputs (any backend), where they are: the
     decoder builds the verification inputs from it on the same device."""
+    scores = out["tree_scores"]
     return DraftTree(*(out[n] for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
-                     out["tree_scores"].float())
+                     scores if scores.dtype == torch.float32 else scores.float())
 
 
 class TorchTarget(TargetBackend):
@@ -220,7 +237,8 @@ class TorchDrafter(DrafterBackend):
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         w = self.model.fc.weight
         past_k, past_v = self._past(slots, width, 0)
-        tree, new_k, new_v = draft_trees(self.model, captured.to(w.device, w.dtype), input_ids.to(w.device),
-                                         past_k, past_v, self.shape, past_lengths.to(w.device),
-                                         new_lengths.to(w.device))
+        tree, new_k, new_v = draft_trees(self.model, captured.to(w.device, w.dtype),
+                                         torch.as_tensor(input_ids, device=w.device), past_k, past_v, self.shape,
+                                         torch.tensor(past_lengths, device=w.device),
+                                         torch.tensor(new_lengths, device=w.device))
         return tree, new_k, new_v

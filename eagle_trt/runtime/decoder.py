@@ -100,6 +100,19 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.reshape(B * T, W).index_select(0, index.reshape(-1)).view(B, -1, W)
 
 
+def _host_rows(path: Tensor, length: Tensor, tokens: Tensor, ranks: Tensor | None) -> list[list[int]]:
+    """Per sequence [*path, length, *tokens, *ranks] as Python ints: one transfer from a device
+    (one concatenated tensor); on the CPU, where there is nothing to transfer, each part's
+    lists joined in Python (cheaper than the concatenation)."""
+    if path.device.type != "cpu":
+        parts = [path, length[:, None], tokens] + ([ranks] if ranks is not None else [])
+        return torch.cat(parts, 1).tolist()
+    lists = [path.tolist(), [[n] for n in length.tolist()], tokens.tolist()]
+    if ranks is not None:
+        lists.append(ranks.tolist())
+    return [[x for part in row for x in part] for row in zip(*lists)]
+
+
 class Sequence:
     """One request's decoding state inside the batch."""
 
@@ -224,7 +237,7 @@ class SpeculativeDecoder:
             s.pending_states = [states]
             if self._backlog(s):                    # its tree is not needed
                 rows += self._backlog(s)
-                self.drafter.draft(states[None, :-1], torch.tensor([s.pending_ids[:-1]]), None, range(i, i + 1))
+                self.drafter.draft(states[None, :-1], [s.pending_ids[:-1]], None, range(i, i + 1))
                 s.pending_states, s.pending_ids = [states[-1:]], s.pending_ids[-1:]
                 caught_up = True
         catch_up = time.perf_counter() - start if caught_up else 0.0
@@ -233,10 +246,10 @@ class SpeculativeDecoder:
         lengths = [len(s.pending_ids) for s in batch]
         T = max(lengths)
         if len(batch) == 1:             # one sequence: its rows as they are
-            states, ids = batch[0].pending_states[0][None], torch.tensor([batch[0].pending_ids])
-        else:                           # padded to T rows in two ops; padding rows are never committed nor seen
+            states, ids = batch[0].pending_states[0][None], [batch[0].pending_ids]
+        else:                           # padded to T rows; padding rows are never committed nor seen
             states = pad_sequence([s.pending_states[0] for s in batch], batch_first=True)
-            ids = torch.tensor([s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch])
+            ids = [s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch]
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                             lambda sec: self._time_draft(len(batch), T, sec))
         for s in batch:
@@ -267,19 +280,11 @@ class SpeculativeDecoder:
                 n = self.trim.choose(full.scores, n)
             verified = full.top(n)
         self.verified.append(n)
-        dev = verified.tokens.device if verified is not None else torch.device("cpu")
 
         def tree(i: int) -> DraftTree:
-            return verified.row(i) if verified is not None else _empty_tree(dev)
-        lengths = torch.tensor(self.target.lengths, device=dev)
-        roots_t = torch.tensor(roots, device=dev)[:, None]
-        if verified is not None:
-            ids = torch.cat((roots_t, verified.tokens), 1)
-            positions, mask = lengths[:, None] + verified.depths, verified.mask
-        else:                             # plain decoding: each root alone
-            ids, positions, mask = roots_t, lengths[:, None], torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
-        logits, captured = self._timed(lambda: self.target.forward(ids, positions, mask),
-                                       lambda s: self._time_target(B * (1 + n), s))
+            return verified.row(i) if verified is not None else _empty_tree("cpu")
+        logits, captured, ids, mask = self._timed(lambda: self.target.verify(roots, verified),
+                                                  lambda s: self._time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
         # outputs), and one transfer to the host of every path, length and token (and, for the
@@ -287,10 +292,8 @@ class SpeculativeDecoder:
         path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
         K = path_t.shape[1]
         observe = self.cost_model is not None and verified is not None
-        parts = [path_t, length_t[:, None], tokens_t]
-        if observe:
-            parts.append(rank_desc(verified.scores).to(path_t.device, path_t.dtype))
-        greedy = torch.cat(parts, 1).tolist()
+        ranks = rank_desc(verified.scores).to(path_t.device, path_t.dtype) if observe else None
+        greedy = _host_rows(path_t, length_t, tokens_t, ranks)
         ranks_at = K + 1 + tokens_t.shape[1]
         for i, (row, s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling

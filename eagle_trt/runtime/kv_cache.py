@@ -4,8 +4,9 @@ Layout [L, B, Hkv, S, D] (head-major, the graphs' own: attention reads a layer's
 place): sequence b owns slot b, its committed rows are 0..length[b]-1 in order (row index =
 position), and a forward pass stages its new rows right after them. The
 graph's new rows are held where the graph wrote them (`write` keeps a reference); after
-verification `commit(rows)` copies each sequence's accepted rows straight into place, one
-indexed copy per cache, and advances its length (the rows a call rejects are never copied).
+verification `commit(rows)` copies each sequence's accepted rows straight into place (on the
+CPU one numpy slice copy per run of rows, elsewhere one indexed copy per cache) and advances its
+length (the rows a call rejects are never copied).
 Sequences join (`add`) and leave (`remove`, which moves the last slot into the freed
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
 binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`).
@@ -21,12 +22,16 @@ are masked but must be finite (a masked probability 0 times NaN is NaN): they ho
 rows the graphs wrote earlier, never uninitialised memory."""
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 CHUNK = 64   # rows added at a time: a bound graph past is at most this much wider than needed
+NUMPY_DTYPES = (torch.float32, torch.float16)
+_layout_ids = itertools.count()
 
 
 class KVCache:
@@ -42,7 +47,7 @@ class KVCache:
         self._allocate(max(batch, 1), max(capacity, 1))
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
-        self.new_rows: Tensor | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
+        self.new_rows: Tensor | np.ndarray | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
         """Lay the cache out as [L, batch, Hkv, rows, D] in the other storage, keeping every committed row."""
@@ -62,6 +67,11 @@ class KVCache:
             kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
         self.kv, self.active = kv, spare
         self.k, self.v = kv[0], kv[1]
+        # the same memory as a numpy array, on the CPU where numpy has the dtype: a commit's slice
+        # copies there cost a microsecond each, against 10-20 for a torch select / narrow / copy_
+        # on caches the graph call has just flushed
+        self.kv_np = kv.numpy() if kv.device.type == "cpu" and self.dtype in NUMPY_DTYPES else None
+        self.layout_id = next(_layout_ids)   # unique to this layout: a binding of its memory is valid while it lasts
 
     def clear(self, capacity: int = CHUNK) -> None:
         """Drop every sequence; the storages stay for the next ones (no copy, no allocation
@@ -117,9 +127,9 @@ class KVCache:
     def write(self, new_k: list[Tensor] | Tensor, new_v: list[Tensor] | Tensor | None = None) -> None:
         """The staged rows ([b, Hkv, T, D] per layer, or all layers as one [L, b, Hkv, T, D]
         tensor; new_v None: new_k is K and V as one [2, L, b, Hkv, T, D] block, as the graph
-        backends' staging buffers are), kept as they are until `commit` copies the accepted ones
-        into place: the caller must not overwrite them before it commits (the backends' staging
-        buffers are rewritten only by their next call)."""
+        backends' staging buffers are, or that block's numpy view on the CPU), kept as they are
+        until `commit` copies the accepted ones into place: the caller must not overwrite them
+        before it commits (the backends' staging buffers are rewritten only by their next call)."""
         if new_v is None:
             self.new_rows = new_k
         else:
@@ -141,7 +151,16 @@ class KVCache:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new = self.new_rows
         runs = _runs(rows[0]) if len(slots) == 1 else []
-        if 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
+        on_cpu = isinstance(new, np.ndarray) or (new.device.type == "cpu" and new.dtype == self.dtype)
+        if self.kv_np is not None and on_cpu:
+            # on the CPU: one numpy slice copy per run of consecutive rows (K and V of every
+            # layer at once), ~1 us each; torch's indexed copies cost 10-100x that here
+            new_np = np.asarray(new)
+            for i, (b, seq) in enumerate(zip(slots, rows)):
+                at, kv_np, new_b = self.lengths[b], self.kv_np[:, :, b], new_np[:, :, i]   # [2, L, Hkv, rows, D]
+                for j, r in (runs if len(slots) == 1 else _runs(seq)):
+                    kv_np[:, :, :, at + j:at + j + len(r)] = new_b[:, :, :, r[0]:r[0] + len(r)]
+        elif 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
             b, at = slots.start, self.lengths[slots.start]
             kv, new = self.kv.select(2, b), new.select(2, 0)   # [2, L, Hkv, rows, D]; select / narrow: cheaper than [...]
             for j, r in runs:                        # consecutive rows of K and V go in one copy

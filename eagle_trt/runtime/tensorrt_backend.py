@@ -280,8 +280,9 @@ class TrtDrafter(DrafterBackend):
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         past_k, past_v = self._past(slots, width, 0)
         feeds = {"captured": _cuda(captured, self.engine.dtypes["captured"]),
-                 "input_ids": _cuda(input_ids, torch.int64), "past_key": past_k, "past_value": past_v,
-                 "past_lengths": _cuda(past_lengths, torch.int64), "new_lengths": _cuda(new_lengths, torch.int64)}
+                 "input_ids": _cuda(torch.as_tensor(input_ids), torch.int64), "past_key": past_k, "past_value": past_v,
+                 "past_lengths": _cuda(torch.tensor(past_lengths), torch.int64),
+                 "new_lengths": _cuda(torch.tensor(new_lengths), torch.int64)}
         outputs = {}
         self.engine.run(0, feeds, outputs)
         if int(outputs["tree_tokens"].shape[-1]) != self.shape.total_tokens:
