@@ -13,7 +13,7 @@ from conftest import frozen_trim
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
-from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.backend import TargetBackend, TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
@@ -261,6 +261,37 @@ def test_batched_sequences_equal_their_batch_one_runs(setup, backend):
         assert not decoder.active and decoder.target.batch == 0    # every slot freed
     plain = SpeculativeDecoder(target, None, eos).generate_batch([Request(p, n) for p, n in zip(prompts, limits)], 8)
     assert [r.tokens for r in plain] == solo
+
+
+def test_ort_verify_writes_the_inputs_the_general_path_builds(setup):
+    """OrtTarget.verify writes ids, positions and mask straight into its bound buffers (numpy);
+    TargetBackend.verify builds them as tensors and goes through forward. Same outputs, for full
+    trees, the cost model's subtrees and plain steps, over sequences of different lengths."""
+    target_model, _, graphs, prompts = setup
+    fast, general = (OrtTarget(graphs["target"], target_model.config.max_position_embeddings) for _ in range(2))
+    drafter = OrtDrafter(graphs["drafter_tree"], SHAPE)
+    for backend in (fast, general, drafter):
+        backend.reset()
+    for p in prompts[:3]:
+        for backend in (fast, general):
+            slot = backend.add_sequence()
+            backend.forward(torch.tensor([p]), torch.arange(len(p))[None], torch.ones(len(p), len(p)).tril().bool()[None],
+                            range(slot, slot + 1), last_only=True)
+            backend.commit([list(range(len(p)))])
+        drafter.add_sequence()
+    states = torch.randn(3, 2, drafter.captured_width, generator=torch.Generator().manual_seed(0))
+    trees = drafter.draft(states, [[5, 6], [7, 8], [9, 10]])
+    roots = [11, 12, 13]
+    for tree in (trees, trees.top(3), None):
+        got = fast.verify(roots, tree)
+        want = TargetBackend.verify(general, roots, tree)
+        for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
+            assert torch.equal(a, b.to(a.dtype)), name
+        rows = [[0], [0, 1], [0]] if tree is not None else [[0]] * 3
+        fast.commit(rows)
+        general.commit(rows)
+    assert fast.lengths == general.lengths
+    assert torch.equal(fast.cache.k[:, :3, :, :max(fast.lengths)], general.cache.k[:, :3, :, :max(general.lengths)])
 
 
 def test_copied_backends_decode_side_by_side_with_their_own_caches(setup):
