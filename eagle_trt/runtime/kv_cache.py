@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 CHUNK = 64   # rows added at a time: a bound graph past is at most this much wider than needed
-NUMPY_DTYPES = (torch.float32, torch.float16)
+NUMPY_FLOATS = (torch.float32, torch.float16)   # the cache dtypes numpy has (not bfloat16)
 _layout_ids = itertools.count()
 
 
@@ -70,7 +70,7 @@ class KVCache:
         # the same memory as a numpy array, on the CPU where numpy has the dtype: a commit's slice
         # copies there cost a microsecond each, against 10-20 for a torch select / narrow / copy_
         # on caches the graph call has just flushed
-        self.kv_np = kv.numpy() if kv.device.type == "cpu" and self.dtype in NUMPY_DTYPES else None
+        self.kv_np = kv.numpy() if kv.device.type == "cpu" and self.dtype in NUMPY_FLOATS else None
         self.layout_id = next(_layout_ids)   # unique to this layout: a binding of its memory is valid while it lasts
 
     def clear(self, capacity: int = CHUNK) -> None:
