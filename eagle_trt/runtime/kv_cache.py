@@ -150,7 +150,6 @@ class KVCache:
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new = self.new_rows
-        runs = _runs(rows[0]) if len(slots) == 1 else []
         on_cpu = isinstance(new, np.ndarray) or (new.device.type == "cpu" and new.dtype == self.dtype)
         if self.kv_np is not None and on_cpu:
             # on the CPU: one numpy slice copy per run of consecutive rows (K and V of every
@@ -158,9 +157,10 @@ class KVCache:
             new_np = np.asarray(new)
             for i, (b, seq) in enumerate(zip(slots, rows)):
                 at, kv_np, new_b = self.lengths[b], self.kv_np[:, :, b], new_np[:, :, i]   # [2, L, Hkv, rows, D]
-                for j, r in (runs if len(slots) == 1 else _runs(seq)):
+                for j, r in _runs(seq):
                     kv_np[:, :, :, at + j:at + j + len(r)] = new_b[:, :, :, r[0]:r[0] + len(r)]
-        elif 0 < len(runs) <= 4:   # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
+        elif len(slots) == 1 and 0 < len(runs := _runs(rows[0])) <= 4:
+            # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
             b, at = slots.start, self.lengths[slots.start]
             kv, new = self.kv.select(2, b), new.select(2, 0)   # [2, L, Hkv, rows, D]; select / narrow: cheaper than [...]
             for j, r in runs:                        # consecutive rows of K and V go in one copy
