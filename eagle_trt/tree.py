@@ -12,8 +12,9 @@ nodes (one copy to commit its KV rows).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,19 +22,32 @@ from .config import TreeShape
 from .models.drafter import EagleDrafter
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftTree:
     """One tree, or a batch of trees with a leading [B] axis on every field (what the drafter
-    backends return; `row(b)` is sequence b's tree)."""
+    backends return; `row(b)` is sequence b's tree). Frozen: a backend may hand out the same
+    tree over its output buffers call after call; a wrapper that changes one makes a new one
+    (dataclasses.replace)."""
     tokens: Tensor     # [N] int64 target-vocabulary ids of the draft nodes 1..N
     parents: Tensor    # [N + 1] int64, parents[0] = -1 (root), parents[i] < i
     mask: Tensor       # [N + 1, N + 1] bool, row i = node i and its ancestors
     depths: Tensor     # [N + 1] int64, root 0; node position = root position + depth
     scores: Tensor     # [N] float32 cumulative draft log-probs
+    # ((tokens, mask, depths), their numpy views), where a CPU backend made the views once (the
+    # ONNX Runtime drafter's output buffers): `host_arrays` uses them while those are the fields
+    arrays: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[-1])
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """tokens, mask and depths as numpy arrays (a CPU tree): the backend's views where it has them
+        (each torch .numpy() costs ~10 us right after a graph call)."""
+        a = self.arrays
+        if a is not None and a[0][0] is self.tokens and a[0][1] is self.mask and a[0][2] is self.depths:
+            return a[1]
+        return self.tokens.numpy(), self.mask.numpy(), self.depths.numpy()
 
     def to(self, device) -> "DraftTree":
         return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.mask, self.depths, self.scores)))
@@ -49,8 +63,12 @@ class DraftTree:
         fewer draft tokens."""
         if n >= self.size:
             return self
-        return DraftTree(self.tokens[..., :n], self.parents[..., :n + 1], self.mask[..., :n + 1, :n + 1],
-                         self.depths[..., :n + 1], self.scores[..., :n])
+        views = (self.tokens[..., :n], self.mask[..., :n + 1, :n + 1], self.depths[..., :n + 1])
+        arrays = None
+        if self.arrays is not None:
+            tokens, mask, depths = self.host_arrays()
+            arrays = (views, (tokens[..., :n], mask[..., :n + 1, :n + 1], depths[..., :n + 1]))
+        return DraftTree(views[0], self.parents[..., :n + 1], views[1], views[2], self.scores[..., :n], arrays)
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:

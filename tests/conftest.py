@@ -2,6 +2,7 @@
 SmolLM2-135M-Instruct target, real MT-bench prompts, and drafters that accept often."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -284,7 +285,7 @@ class PlantedDrafter:
     def draft(self, captured, input_ids, new_lengths=None, slots=None):
         trees = self.inner.draft(captured, input_ids, new_lengths, slots)
         slots = slots if slots is not None else range(self.inner.batch)
-        trees.tokens = trees.tokens.clone()   # the drafter returns inference-mode tensors
+        tokens = trees.tokens.clone()   # the drafter returns inference-mode tensors (and may reuse its tree)
         plant_depth = [self.rng.randint(0, self.shape.depth) for _ in slots]
         for i, slot in enumerate(slots):
             prompt_len, continuation = self.slots[slot]
@@ -296,9 +297,9 @@ class PlantedDrafter:
                 if not children or generated + depth >= len(continuation):
                     break
                 node = self.rng.choice(children[:2])          # the best child, or its first sibling
-                trees.tokens[i, node - 1] = continuation[generated + depth]
+                tokens[i, node - 1] = continuation[generated + depth]
                 depth += 1
-        return trees
+        return dataclasses.replace(trees, tokens=tokens)
 
 
 def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos,

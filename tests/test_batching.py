@@ -266,30 +266,45 @@ def test_batched_sequences_equal_their_batch_one_runs(setup, backend):
 def test_ort_verify_writes_the_inputs_the_general_path_builds(setup):
     """OrtTarget.verify writes ids, positions and mask straight into its bound buffers (numpy);
     TargetBackend.verify builds them as tensors and goes through forward. Same outputs, for full
-    trees, the cost model's subtrees and plain steps, over sequences of different lengths."""
+    trees, the cost model's subtrees and plain steps, over sequences of different lengths; and
+    the same accepted rows' states from OrtTarget.keep_states (numpy) as from the tensor gather."""
     target_model, _, graphs, prompts = setup
     fast, general = (OrtTarget(graphs["target"], target_model.config.max_position_embeddings) for _ in range(2))
     drafter = OrtDrafter(graphs["drafter_tree"], SHAPE)
     for backend in (fast, general, drafter):
         backend.reset()
-    for p in prompts[:3]:
+
+    def prefill(p):
         for backend in (fast, general):
             slot = backend.add_sequence()
             backend.forward(torch.tensor([p]), torch.arange(len(p))[None], torch.ones(len(p), len(p)).tril().bool()[None],
                             range(slot, slot + 1), last_only=True)
             backend.commit([list(range(len(p)))])
+
+    for p in prompts[:3]:
+        prefill(p)
         drafter.add_sequence()
     states = torch.randn(3, 2, drafter.captured_width, generator=torch.Generator().manual_seed(0))
     trees = drafter.draft(states, [[5, 6], [7, 8], [9, 10]])
     roots = [11, 12, 13]
-    for tree in (trees, trees.top(3), None):
-        got = fast.verify(roots, tree)
-        want = TargetBackend.verify(general, roots, tree)
-        for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
-            assert torch.equal(a, b.to(a.dtype)), name
-        rows = [[0], [0, 1], [0]] if tree is not None else [[0]] * 3
-        fast.commit(rows)
-        general.commit(rows)
+    # each call shape twice: its mask buffer written whole, then only where lengths moved; a
+    # sequence leaving and a shorter one joining in between moves a slot's length back
+    for rnd in range(2):
+        for tree in (trees, trees.top(3), None):
+            got = fast.verify(roots, tree)
+            want = TargetBackend.verify(general, roots, tree)
+            for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
+                assert torch.equal(a, b.to(a.dtype)), (rnd, name)
+            # the accepted rows' states: numpy slices / fancy indexing against the tensor gather
+            paths = [[0, 2], [0, 1], [0]] if tree is not None and tree.size > 2 else [[0]] * 3
+            for kept, gathered in zip(fast.keep_states(got[1], paths), TargetBackend.keep_states(general, want[1], paths)):
+                assert torch.equal(torch.from_numpy(kept), gathered)
+            rows = [[0], [0, 1], [0]] if tree is not None else [[0]] * 3
+            fast.commit(rows)
+            general.commit(rows)
+        for backend in (fast, general):
+            backend.remove_sequence(0)
+        prefill(prompts[3][:5])
     assert fast.lengths == general.lengths
     assert torch.equal(fast.cache.k[:, :3, :, :max(fast.lengths)], general.cache.k[:, :3, :, :max(general.lengths)])
 

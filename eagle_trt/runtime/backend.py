@@ -84,6 +84,15 @@ class _Batched:
         return self.cache.past(slots, width, layer)
 
 
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x[b, index[b, k]] for x [B, T, W], index [B, K]: one index_select over the flattened rows
+    (a gather with the index expanded to W looks up every element: ~10x slower on a CPU)."""
+    B, T, W = x.shape
+    if B > 1:
+        index = index + torch.arange(0, B * T, T, device=index.device)[:, None]
+    return x.reshape(B * T, W).index_select(0, index.reshape(-1)).view(B, -1, W)
+
+
 @functools.lru_cache(maxsize=256)
 def logits_rows(T: int, last_only: bool) -> Tensor:
     """The rows of a T-row call that get logits: the last one (prefill) or all (made once per
@@ -152,6 +161,17 @@ class TargetBackend(_Batched):
         logits, captured = self.forward(ids, positions, mask)
         return logits, captured, ids, mask
 
+    def keep_states(self, captured: Tensor, paths: list[list[int]], index: Tensor | None = None) -> list:
+        """Each sequence's captured states at the rows of its path, [len(path), A * H], copied (the
+        outputs are the backend's buffers): what the drafter encodes when the batch next drafts.
+        index: the paths as a [b, K] tensor where the loop has one (the graph's accept_path, zero
+        past each path's end: on a GPU it is already there), else made from `paths`."""
+        if index is None:
+            width = max(len(p) for p in paths)
+            index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths])
+        kept = _gather_rows(captured, index.to(captured.device))
+        return [kept[i, :len(p)] for i, p in enumerate(paths)]
+
     def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Greedy acceptance of the trees a verification call just scored: what the target graph
         computed in the call that returned `logits`, where it did (no second call, nothing
@@ -171,10 +191,11 @@ class DrafterBackend(_Batched):
 
     def draft(self, captured: Tensor, input_ids: Tensor | list[list[int]], new_lengths: list[int] | None = None,
               slots: range | None = None) -> DraftTree:
-        """Encode newly committed rows (target states [b, T, A * H] of tokens t.., token ids
-        [b, T] of tokens t+1.., a tensor or lists; sequence i has new_lengths[i] valid rows, the
-        rest padding) into the drafter cache and expand a draft tree from each sequence's last
-        valid row. Returns the batch of trees ([b, ...] fields)."""
+        """Encode newly committed rows (target states [b, T, A * H] of tokens t.., a tensor or,
+        from a CPU target's keep_states, a numpy array; token ids [b, T] of tokens t+1.., a tensor
+        or lists; sequence i has new_lengths[i] valid rows, the rest padding) into the drafter
+        cache and expand a draft tree from each sequence's last valid row. Returns the batch of
+        trees ([b, ...] fields)."""
         T = int(captured.shape[1])
         slots, lengths, width = self._stage(slots, T)
         new_lengths = new_lengths or [T] * len(slots)
@@ -193,12 +214,15 @@ class DrafterBackend(_Batched):
         raise NotImplementedError
 
 
-def tree_from_outputs(out: dict[str, Tensor]) -> DraftTree:
+def tree_from_outputs(out: dict[str, Tensor], arrays: dict | None = None) -> DraftTree:
     """A DraftTree from a drafter-tree graph's named outputs (any backend), where they are: the
-    decoder builds the verification inputs from it on the same device."""
+    decoder builds the verification inputs from it on the same device. arrays: numpy views of
+    the same outputs, where the backend has them (DraftTree.arrays)."""
     scores = out["tree_scores"]
+    host = None if arrays is None else ((out["tree_tokens"], out["tree_mask"], out["tree_depths"]),
+                                        (arrays["tree_tokens"], arrays["tree_mask"], arrays["tree_depths"]))
     return DraftTree(*(out[n] for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
-                     scores if scores.dtype == torch.float32 else scores.float())
+                     scores if scores.dtype == torch.float32 else scores.float(), host)
 
 
 class TorchTarget(TargetBackend):
@@ -237,7 +261,7 @@ class TorchDrafter(DrafterBackend):
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         w = self.model.fc.weight
         past_k, past_v = self._past(slots, width, 0)
-        tree, new_k, new_v = draft_trees(self.model, captured.to(w.device, w.dtype),
+        tree, new_k, new_v = draft_trees(self.model, torch.as_tensor(captured).to(w.device, w.dtype),
                                          torch.as_tensor(input_ids, device=w.device), past_k, past_v, self.shape,
                                          torch.tensor(past_lengths, device=w.device),
                                          torch.tensor(new_lengths, device=w.device))

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -83,6 +84,23 @@ class Request:
     submitted: float | None = None   # perf_counter() when the request arrived: result times count from it
 
 
+def _cat_rows(parts: list):
+    """One sequence's pending state blocks as one (tensors, or numpy arrays from keep_states)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+
+
+def _pad_rows(parts: list, T: int):
+    """[B, T, W] from blocks of at most T rows, zero-padded (padding rows are never committed nor seen)."""
+    if not isinstance(parts[0], np.ndarray):
+        return pad_sequence(parts, batch_first=True)
+    out = np.zeros((len(parts), T, parts[0].shape[-1]), dtype=parts[0].dtype)
+    for i, p in enumerate(parts):
+        out[i, :len(p)] = p
+    return out
+
+
 def _empty_tree(device) -> DraftTree:
     """The root alone: verifying it is one step of plain decoding."""
     z = torch.zeros(0, dtype=torch.int64, device=device)
@@ -91,21 +109,12 @@ def _empty_tree(device) -> DraftTree:
                      z.float())
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x[b, index[b, k]] for x [B, T, W], index [B, K]: one index_select over the flattened rows
-    (a gather with the index expanded to W looks up every element: ~10x slower on a CPU)."""
-    B, T, W = x.shape
-    if B > 1:
-        index = index + torch.arange(0, B * T, T, device=index.device)[:, None]
-    return x.reshape(B * T, W).index_select(0, index.reshape(-1)).view(B, -1, W)
-
-
-def _host_rows(path: Tensor, length: Tensor, tokens: Tensor, ranks: Tensor | None) -> list[list[int]]:
+def _host_rows(path, length, tokens, ranks: Tensor | None) -> list[list[int]]:
     """Per sequence [*path, length, *tokens, *ranks] as Python ints: one transfer from a device
-    (one concatenated tensor); on the CPU, where there is nothing to transfer, each part's
-    lists joined in Python (cheaper than the concatenation)."""
-    if path.device.type != "cpu":
-        parts = [path, length[:, None], tokens] + ([ranks] if ranks is not None else [])
+    (one concatenated tensor); on the CPU (tensors, or a backend's numpy arrays), where there is
+    nothing to transfer, each part's lists joined in Python (cheaper than the concatenation)."""
+    if isinstance(path, Tensor) and path.device.type != "cpu":
+        parts = [path, length[:, None], tokens] + ([ranks.to(path.device, path.dtype)] if ranks is not None else [])
         return torch.cat(parts, 1).tolist()
     lists = [path.tolist(), [[n] for n in length.tolist()], tokens.tolist()]
     if ranks is not None:
@@ -120,7 +129,7 @@ class Sequence:
         self.request, self.gen, self.start = request, gen, start
         self.result = GenerationResult(tokens=[], prompt_tokens=len(request.prompt_ids))
         self.emitted = 0
-        self.pending_states: list = []    # [r, A * H] target states of committed rows the drafter has not seen
+        self.pending_states: list = []    # [r, A * H] target states (keep_states) of committed rows the drafter has not seen
         self.pending_ids: list[int] = []  # the ids one position later (the last is the root)
         self.stop: str | None = None
 
@@ -210,7 +219,7 @@ class SpeculativeDecoder:
         first = sample_token(logits[0, -1], sampling, seq.gen)
         # The drafter pairs the target state of token t with the id of token t + 1.
         # a copy: a backend's outputs are valid until its next call of the same shape
-        seq.pending_states, seq.pending_ids = [captured[0].clone()], prompt[1:] + [first]
+        seq.pending_states, seq.pending_ids = self.target.keep_states(captured, [list(range(n))]), prompt[1:] + [first]
         if self.drafter is not None:
             self.drafter.add_sequence()
         seq.extend([first], self.eos_ids)
@@ -233,7 +242,7 @@ class SpeculativeDecoder:
         """The batch's trees, and the seconds spent catching the drafter up on backlogs."""
         caught_up, rows, start = False, 0, time.perf_counter()
         for i, s in enumerate(batch):
-            states = torch.cat(s.pending_states) if len(s.pending_states) > 1 else s.pending_states[0]
+            states = _cat_rows(s.pending_states)
             s.pending_states = [states]
             if self._backlog(s):                    # its tree is not needed
                 rows += self._backlog(s)
@@ -248,7 +257,7 @@ class SpeculativeDecoder:
         if len(batch) == 1:             # one sequence: its rows as they are
             states, ids = batch[0].pending_states[0][None], [batch[0].pending_ids]
         else:                           # padded to T rows; padding rows are never committed nor seen
-            states = pad_sequence([s.pending_states[0] for s in batch], batch_first=True)
+            states = _pad_rows([s.pending_states[0] for s in batch], T)
             ids = [s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch]
         trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                             lambda sec: self._time_draft(len(batch), T, sec))
@@ -292,7 +301,7 @@ class SpeculativeDecoder:
         path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
         K = path_t.shape[1]
         observe = self.cost_model is not None and verified is not None
-        ranks = rank_desc(verified.scores).to(path_t.device, path_t.dtype) if observe else None
+        ranks = rank_desc(verified.scores) if observe else None
         greedy = _host_rows(path_t, length_t, tokens_t, ranks)
         ranks_at = K + 1 + tokens_t.shape[1]
         for i, (row, s) in enumerate(zip(greedy, batch)):
@@ -314,18 +323,14 @@ class SpeculativeDecoder:
             self.trim.time_iteration(sum(map(len, news)), time.perf_counter() - start - catch_up)
         finished = []
         kept = None
-        if self.drafter is not None:   # what the drafter encodes when the batch next drafts: one gather for all
-            if all(s.request.sampling.greedy for s in batch):
-                index = path_t             # where the target put it (zero past each path's end)
-            else:
-                width = max(len(p) for p in paths)
-                index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=captured.device)
-            kept = _gather_rows(captured, index.to(captured.device))
+        if self.drafter is not None:   # what the drafter encodes when the batch next drafts
+            greedy_paths = all(s.request.sampling.greedy for s in batch)   # then path_t is the index
+            kept = self.target.keep_states(captured, paths, path_t if greedy_paths else None)
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))
             if kept is not None:
-                s.pending_states.append(kept[i, :len(path)])
+                s.pending_states.append(kept[i])
                 s.pending_ids = s.pending_ids + new
             s.extend(new, self.eos_ids)
             if s.stop:

@@ -67,6 +67,7 @@ class KVCache:
             kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
         self.kv, self.active = kv, spare
         self.k, self.v = kv[0], kv[1]
+        self.capacity = rows    # rows per slot (an int kept: a tensor's shape costs ~5 us after a graph call)
         # the same memory as a numpy array, on the CPU where numpy has the dtype: a commit's slice
         # copies there cost a microsecond each, against 10-20 for a torch select / narrow / copy_
         # on caches the graph call has just flushed
@@ -79,10 +80,6 @@ class KVCache:
         self.lengths = []
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
         self._allocate(self.k.shape[1], max(capacity, 1))
-
-    @property
-    def capacity(self) -> int:
-        return int(self.k.shape[3])
 
     @property
     def batch(self) -> int:

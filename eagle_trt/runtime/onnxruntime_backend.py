@@ -120,6 +120,8 @@ class Bound:
         self.buffers: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}      # the same memory as numpy arrays
         self.layout: tuple | None = None             # the cache layout its past inputs are bound to
+        self.tree = None                             # a drafter's DraftTree over its output buffers, made once
+        self.mask_lengths: list[int] | None = None   # the committed lengths the target's mask shows (verify)
 
     def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
         buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
@@ -212,6 +214,8 @@ class OrtTarget(_Timed, TargetBackend):
     >= 2-row call is bit-identical whatever the row count; with min_rows=2 a greedy
     token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
     need it, but FP8 activations turn such last-bit differences into different tokens."""
+    _captured: tuple = (None, None)   # the last call's captured buffer and its numpy array
+    _accept_arrays: tuple = ()        # its accept_* outputs as numpy arrays
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
                  **session_kwargs):
@@ -257,19 +261,40 @@ class OrtTarget(_Timed, TargetBackend):
 
     @staticmethod
     def _width_buffers(bound: Bound, b: int, T: int, width: int) -> None:
-        bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
+        mask = bound.buffer("attention_mask", torch.bool, [b, T, width + T], output=False)
+        bound.buffers["tree_mask"] = mask[:, :, width:]   # a view verify returns (not bound)
+        bound.mask_lengths = None                          # a new buffer: verify writes all of it
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
         bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, int(logits_index.shape[0]))
         bound.feed(input_ids=input_ids, position_ids=positions, attention_mask=mask)
+        bound.mask_lengths = None       # the whole mask written: verify's next call rewrites it all too
         return self._call(bound)
 
     def _call(self, bound: Bound):
-        out = bound.buffers
+        out, arrays = bound.buffers, bound.arrays
         if self.graph_accepts:
             self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
+            self._accept_arrays = tuple(arrays[n] for n in ACCEPT_OUTPUTS)
+        self._captured = (out["captured"], arrays["captured"])
         self._run_graph(bound.io)
         return out["logits"], out["captured"], bound.staged, None     # K and V rows as one block
+
+    def accept_greedy(self, logits, input_ids, tree_mask):
+        """The graph's acceptance as numpy views of its output buffers: the loop's `tolist` is
+        ~1 us on them, 5-10 on the tensors after a graph call."""
+        done = self._graph_accept
+        if done is not None and done[0] is logits:
+            return self._accept_arrays
+        return super().accept_greedy(logits, input_ids, tree_mask)
+
+    def keep_states(self, captured, paths, index=None):
+        """numpy arrays, one copy per sequence from the captured buffer's own array: a slice where
+        the path is a run of consecutive rows (usual: nodes are in rank order), else fancy
+        indexing (torch's index_select and reshapes cost ~130 us here right after a graph call)."""
+        array = self._captured[1] if captured is self._captured[0] else captured.numpy()
+        return [array[i, p[0]:p[-1] + 1].copy() if p[-1] - p[0] == len(p) - 1 else array[i, p]
+                for i, p in enumerate(paths)]
 
     def verify(self, roots, tree):
         """TargetBackend.verify with the inputs written straight into the call's bound buffers,
@@ -281,19 +306,29 @@ class OrtTarget(_Timed, TargetBackend):
         bound = self.bindings.get(self, slots, T, width, T)
         a = bound.arrays
         ids, positions, mask = a["input_ids"], a["position_ids"], a["attention_mask"]
-        past = np.array(lengths)[:, None]
+        past = lengths[0] if len(lengths) == 1 else np.array(lengths)[:, None]
         ids[:, 0] = roots
         if T > 1:
-            ids[:, 1:] = tree.tokens.numpy()
-            np.add(tree.depths.numpy(), past, out=positions)
-            mask[:, :, width:] = tree.mask.numpy()
+            tokens, tree_mask, depths = tree.host_arrays()
+            ids[:, 1:] = tokens
+            np.add(depths, past, out=positions)
+            mask[:, :, width:] = tree_mask
         else:
             positions[:] = past
             mask[:, :, width:] = True
-        np.less(_row_numbers(width), past[:, :, None], out=mask[:, :, :width])   # committed rows: visible
+        # committed rows visible: only the rows committed since this buffer's last call change
+        # (one slice fill per sequence, where a full comparison over the width costs 2-3x that)
+        done = bound.mask_lengths
+        if done is None or len(done) != len(lengths):
+            np.less(_row_numbers(width), np.array(lengths)[:, None, None], out=mask[:, :, :width])
+        else:
+            for i, (old, new) in enumerate(zip(done, lengths)):
+                if new != old:
+                    mask[i, :, min(old, new):max(old, new)] = new > old
+        bound.mask_lengths = lengths
         logits, captured, new_kv, _ = self._call(bound)
         self.cache.write(new_kv)
-        return logits, captured, bound.buffers["input_ids"], bound.buffers["attention_mask"][:, :, width:]
+        return logits, captured, bound.buffers["input_ids"], bound.buffers["tree_mask"]
 
 
 class OrtDrafter(_Timed, DrafterBackend):
@@ -330,4 +365,7 @@ class OrtDrafter(_Timed, DrafterBackend):
         bound = self.bindings.get(self, slots, int(captured.shape[1]), width)
         bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
         self._run_graph(bound.io)
-        return tree_from_outputs(bound.buffers), bound.staged, None   # [2, 1, b, Hkv, T, D]
+        tree = bound.tree or tree_from_outputs(bound.buffers, bound.arrays)
+        if tree.scores is bound.buffers["tree_scores"]:   # float32 scores: a view, valid for every call
+            bound.tree = tree
+        return tree, bound.staged, None   # [2, 1, b, Hkv, T, D]
