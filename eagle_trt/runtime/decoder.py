@@ -66,13 +66,14 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, 
         raise ConfigError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str | None]:
-    for i, t in enumerate(tokens[:max_new_tokens]):
+def _finish(done: int, new: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str | None]:
+    """What a sequence with `done` tokens (none of them EOS: it would have stopped) keeps of
+    `new`, and why it stops (None: it goes on). Only the new tokens are looked at."""
+    new = new[:max_new_tokens - done]
+    for i, t in enumerate(new):
         if t in eos_ids:
-            return tokens[: i + 1], "eos"
-    if len(tokens) >= max_new_tokens:
-        return tokens[:max_new_tokens], "max_new_tokens"
-    return tokens, None
+            return new[: i + 1], "eos"
+    return new, "max_new_tokens" if done + len(new) >= max_new_tokens else None
 
 
 @dataclass
@@ -136,7 +137,8 @@ class Sequence:
     def extend(self, new: list[int], eos_ids: set[int]) -> None:
         r = self.result
         now = time.perf_counter() - self.start
-        r.tokens, self.stop = _finish(r.tokens + new, self.request.max_new_tokens, eos_ids)
+        kept, self.stop = _finish(len(r.tokens), new, self.request.max_new_tokens, eos_ids)
+        r.tokens += kept
         on_tokens = self.request.on_tokens
         if len(r.tokens) > self.emitted:
             r.token_times += [now] * (len(r.tokens) - self.emitted)
