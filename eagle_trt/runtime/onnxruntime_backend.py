@@ -214,8 +214,7 @@ class OrtTarget(_Timed, TargetBackend):
     >= 2-row call is bit-identical whatever the row count; with min_rows=2 a greedy
     token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
     need it, but FP8 activations turn such last-bit differences into different tokens."""
-    _captured: tuple = (None, None)   # the last call's captured buffer and its numpy array
-    _accept_arrays: tuple = ()        # its accept_* outputs as numpy arrays
+    _last: Bound | None = None        # the last call's binding: its outputs' numpy arrays
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
                  **session_kwargs):
@@ -272,11 +271,10 @@ class OrtTarget(_Timed, TargetBackend):
         return self._call(bound)
 
     def _call(self, bound: Bound):
-        out, arrays = bound.buffers, bound.arrays
+        out = bound.buffers
         if self.graph_accepts:
             self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
-            self._accept_arrays = tuple(arrays[n] for n in ACCEPT_OUTPUTS)
-        self._captured = (out["captured"], arrays["captured"])
+        self._last = bound
         self._run_graph(bound.io)
         return out["logits"], out["captured"], bound.staged, None     # K and V rows as one block
 
@@ -285,14 +283,15 @@ class OrtTarget(_Timed, TargetBackend):
         ~1 us on them, 5-10 on the tensors after a graph call."""
         done = self._graph_accept
         if done is not None and done[0] is logits:
-            return self._accept_arrays
+            return tuple(self._last.arrays[n] for n in ACCEPT_OUTPUTS)
         return super().accept_greedy(logits, input_ids, tree_mask)
 
     def keep_states(self, captured, paths, index=None):
         """numpy arrays, one copy per sequence from the captured buffer's own array: a slice where
         the path is a run of consecutive rows (usual: nodes are in rank order), else fancy
         indexing (torch's index_select and reshapes cost ~130 us here right after a graph call)."""
-        array = self._captured[1] if captured is self._captured[0] else captured.numpy()
+        last = self._last
+        array = last.arrays["captured"] if last is not None and captured is last.buffers["captured"] else captured.numpy()
         return [array[i, p[0]:p[-1] + 1].copy() if p[-1] - p[0] == len(p) - 1 else array[i, p]
                 for i, p in enumerate(paths)]
 
