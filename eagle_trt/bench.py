@@ -6,8 +6,9 @@
 Per workload, all at temperature 0 on the same prompts and the same machine:
 - `transformers`: AutoModelForCausalLM.generate (greedy, KV cache) on the same weights, on --device;
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
-- `speculative`: the drafter-tree graph (fp32, or int8 weights with --drafter-weights int8) plus
-  one target-graph verification per iteration;
+- `speculative`: the drafter-tree graph (int8 weights, as the build's Triton repository serves an
+  fp32 drafter on ONNX Runtime; the exported fp32 graph with --drafter-weights float32) plus one
+  target-graph verification per iteration;
 - `torch-autoregressive` / `torch-speculative` (with --torch-row, and always on CUDA): the same
   loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
@@ -287,10 +288,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each ONNX Runtime mode, alternating; "
                    "the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
-    p.add_argument("--drafter-weights", choices=sorted(DRAFTER_WEIGHTS), default="float32",
-                   help="the ONNX Runtime drafter graph's weights: float32 (the exported graph) or int8 (per-channel "
-                        "int8 MatMul weights, a quarter of the bytes a memory-bound drafter call streams; the "
-                        "output stays the target's)")
+    p.add_argument("--drafter-weights", choices=sorted(DRAFTER_WEIGHTS), default="int8",
+                   help="the ONNX Runtime drafter graph's weights: int8 (the default, and what the build's Triton "
+                        "repository serves: per-channel int8 MatMul weights, a quarter of the bytes a memory-bound "
+                        "drafter call streams; the output stays the target's) or float32 (the exported graph)")
     add_device_options(p)
     p.add_argument("--torch-row", action="store_true",
                    help="also time the PyTorch backend on --device (always done when the device is CUDA)")

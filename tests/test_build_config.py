@@ -107,6 +107,11 @@ BAD = [
                                     "axis, engines.max_batch = 4"),
     ({"tree": {"depth": 2, "top_k": 2, "total_tokens": 9}}, "x.yaml: tree: tree total_tokens 9 exceeds"),
     ({"serving": {"model_name": "my model"}}, "x.yaml: serving.model_name: not a valid Triton model name"),
+    ({"serving": {"drafter_weights": "int8"}, "precision": {"drafter": {"format": "fp8", "base": "fp32"}}},
+     "x.yaml: serving.drafter_weights: int8 is made from an fp32 drafter graph, but precision.drafter is fp8 with base fp32"),
+    ({"serving": {"drafter_weights": "int8"}, "precision": {"drafter": {"format": "fp16"}}},
+     "x.yaml: serving.drafter_weights: int8 is made from an fp32 drafter graph, but precision.drafter is fp16;"),
+    ({"serving": {"drafter_weights": "int4"}}, "x.yaml: serving.drafter_weights: expected one of 'auto', 'int8', 'float'"),
     ([1, 2], "x.yaml: top level: expected a mapping, got [1, 2]"),
 ]
 

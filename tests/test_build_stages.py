@@ -69,7 +69,8 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
             "quantize/target.amax.json", "parity/report.json", "parity/bundles/target.inputs.json",
             "parity/bundles/target.reference.json",
             "parity/bundles/target.fp8.reference.json", "triton/eagle_trt/config.pbtxt",
-            "triton/eagle_trt/1/model.py", "triton/eagle_trt/1/graphs/target.fp8.onnx"} <= paths
+            "triton/eagle_trt/1/model.py", "triton/eagle_trt/1/graphs/target.fp8.onnx",
+            "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx"} <= paths
     on_disk = {str(p.relative_to(tiny["out"])) for p in tiny["out"].rglob("*") if p.is_file()
                and not p.relative_to(tiny["out"]).parts[0].startswith(".") and p.name != "manifest.json"}
     assert on_disk == paths, "the manifest must list exactly the files the build wrote"
@@ -77,6 +78,10 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
         assert sha256_file(tiny["out"] / a["path"]) == a["sha256"], a["path"]
     for graph in ("export/target.onnx", "export/drafter_tree.onnx", "quantize/target.fp8.onnx"):
         onnx.checker.check_model(str(tiny["out"] / graph))
+    # ONNX Runtime serves the drafter with int8 weights (serving.drafter_weights: auto, fp32 drafter)
+    served = onnx.load(str(tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx"))
+    assert sum(n.op_type == "MatMulInteger" for n in served.graph.node) > 0
+    assert not (tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.onnx").exists()
     report = json.loads((tiny["out"] / "parity/report.json").read_text())
     assert report["passed"] and report["quantized"]["target"]["layers"] > 0
     target = next(g for g in report["graphs"] if g["name"] == "target")    # greedy acceptance inside the target graph
@@ -104,6 +109,7 @@ def test_second_run_is_all_cached_and_rewrites_nothing(tiny, tmp_path):
 
 @pytest.mark.parametrize("change, reran", [
     ({"serving": {"max_tokens": 5}}, {"triton"}),
+    ({"serving": {"drafter_weights": "float"}}, {"triton"}),
     ({"parity": {"prompts": 2}}, {"parity"}),
     ({"calibration": {"prompts": 3}}, {"quantize", "parity", "triton"}),
     ({"tree": {"depth": 2}}, {"validate", "export", "quantize", "parity", "triton"}),
@@ -119,7 +125,11 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
     assert all(s in ("cached", "skipped") for n, s in statuses(m).items() if n not in reran)
     if "triton" in reran and "serving" in change:
         settings = json.loads((out / "triton/eagle_trt/1/eagle.json").read_text())
-        assert settings["max_tokens"] == 5
+        assert settings["max_tokens"] == data["serving"]["max_tokens"]
+        float_drafter = change["serving"].get("drafter_weights") == "float"
+        assert settings["graphs"]["drafter_tree"] == ("graphs/drafter_tree.onnx" if float_drafter
+                                                      else "graphs/drafter_tree.int8.onnx")
+        assert settings["precision"]["drafter_tree"] == ("float" if float_drafter else "int8")
 
 
 def test_device_keys_calibration_and_parity_by_the_device_it_resolves_to(tiny, tmp_path):

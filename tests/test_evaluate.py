@@ -150,6 +150,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     (row,) = report["results"]
     assert row["identical_outputs"] == 2                    # transformers, autoregressive and speculative agree
+    assert report["drafter_weights"] == "int8"              # the default, as the Triton repository serves it
     assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0
                for m in bench.MODES + bench.TORCH_MODES)
     assert row["torch_identical_outputs"] == 2 and report["torch_device"] == "cpu float32"

@@ -51,13 +51,16 @@ def offline(built, mtbench):
     from transformers import AutoTokenizer
 
     from eagle_trt.api import encode_prompt
+    from eagle_trt.build.triton import served_graphs
     from eagle_trt.runtime.decoder import SpeculativeDecoder
     from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
     cfg, m = built
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
-    target = OrtTarget(m.artifact("export/target.onnx"), resolved["target"]["max_context"], threads=1)
-    drafter = OrtDrafter(m.artifact("export/drafter_tree.onnx"), cfg.tree.shape, threads=1)
+    graphs = served_graphs(m.artifact("triton"), MODEL)
+    assert graphs["drafter_tree"].name == "drafter_tree.int8.onnx"     # serving.drafter_weights: auto on fp32
+    target = OrtTarget(graphs["target"], resolved["target"]["max_context"], threads=1)
+    drafter = OrtDrafter(graphs["drafter_tree"], cfg.tree.shape, threads=1)
     decoder = SpeculativeDecoder(target, drafter, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
     prompts = mtbench[:16]
     ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]

@@ -166,6 +166,11 @@ class ServingSection:
     max_concurrent: int = 8        # sequences in the running batch per model instance
     threads: int = 0               # ONNX Runtime intra-op threads per session, 0: ORT's default
     chat: bool = True              # wrap text prompts in the tokenizer's chat template
+    # The drafter graph's weights where ONNX Runtime serves it (the CPU path, no engines): int8
+    # per channel (quant/cpu_int8.py: a quarter of the bytes a memory-bound drafter call reads;
+    # output unchanged, verification is the target's); float: the graph as built. auto: int8
+    # where that graph is fp32.
+    drafter_weights: Literal["auto", "int8", "float"] = "auto"
 
     def check(self, at: str, source: str) -> None:
         _positive(self, ("max_tokens", "max_concurrent"), at, source)
@@ -211,6 +216,12 @@ class BuildConfig:
         if self.engines.enabled and self.serving.max_concurrent > self.engines.max_batch:
             raise BuildConfigError(f"{source}: serving.max_concurrent: the running batch ({self.serving.max_concurrent}) "
                                    f"must fit the engines' batch axis, engines.max_batch = {self.engines.max_batch}")
+        drafter = self.precision.drafter
+        if self.serving.drafter_weights == "int8" and (drafter.format == "fp8" or drafter.dtype != "float32"):
+            raise BuildConfigError(f"{source}: serving.drafter_weights: int8 is made from an fp32 drafter graph, but "
+                                   f"precision.drafter is {drafter.format}"
+                                   + (f" with base {drafter.base}" if drafter.quantized else "")
+                                   + "; use auto or float")
         for name in ("target", "drafter"):
             p = getattr(self.precision, name)
             if not p.quantized and p.skip != ModelPrecision.skip:

@@ -33,11 +33,14 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     from ..api import encode_prompt
     from ..runtime.timing import OrtDecoding
     from ..workloads import build as workload
+    from .triton import served_graphs
     resolved = json.loads(manifest.artifact("validate/resolved.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
     eos = set(resolved["target"]["eos_ids"]) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    # the same sessions, thread settings and warm-up as python -m eagle_trt.bench (runtime/timing.py)
-    ort = OrtDecoding.open(manifest.artifact("export/target.onnx"), manifest.artifact("export/drafter_tree.onnx"),
+    # the graphs the Triton repository serves (the drafter's with int8 weights: serving.drafter_weights),
+    # with the same sessions, thread settings and warm-up as python -m eagle_trt.bench (runtime/timing.py)
+    graphs = served_graphs(manifest.artifact("triton"), cfg.serving.model_name)
+    ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"],
                            cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"])
     ort.warm_up(encode_prompt(tokenizer, WARM_UP, chat=True))
     identical, first = True, []
@@ -63,7 +66,8 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
         spec_n, spec_s = spec_n + len(spec.tokens), spec_s + spec.seconds
         ar_n, ar_s = ar_n + len(ar.tokens), ar_s + ar.seconds
     sps, aps = spec_n / spec_s, ar_n / ar_s
-    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}); tree depth {cfg.tree.depth}, "
+    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}, graph {graphs['drafter_tree'].name}); "
+          f"tree depth {cfg.tree.depth}, "
           f"top_k {cfg.tree.top_k}, total_tokens {cfg.tree.total_tokens}; mean accept length {sum(accepts) / len(accepts):.2f}")
     print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run, plain decoding in its fastest setting): "
           f"speed-up {sps / aps:.2f}x")

@@ -40,7 +40,7 @@ DEPENDS = {"validate": (), "export": ("validate",), "quantize": ("validate", "ex
            "parity": ("validate", "export", "quantize"), "engines": ("export", "quantize"),
            "triton": ("validate", "export", "quantize", "engines")}
 # Bump when a stage's code changes what it writes, so old caches are not reused.
-STAGE_VERSION = {"validate": 1, "export": 2, "quantize": 2, "parity": 2, "engines": 2, "triton": 2}   # 2: batch axis
+STAGE_VERSION = {"validate": 1, "export": 2, "quantize": 2, "parity": 2, "engines": 2, "triton": 3}   # 2: batch axis; 3: int8 drafter
 
 
 class BuildError(ConfigError):
@@ -327,6 +327,14 @@ class Build:
             out[graph] = self.path("quantize", f"{graph}.{p.format}.onnx") if usable else self.path("export", f"{graph}.onnx")
         return out
 
+    def ort_drafter_int8(self, graph: Path) -> bool:
+        """Whether ONNX Runtime serves the drafter with int8 weights made from `graph` (the
+        graph graphs_for('onnxruntime') gives it): serving.drafter_weights, auto meaning an fp32
+        float graph."""
+        weights, p = self.cfg.serving.drafter_weights, self.cfg.precision.drafter
+        float32 = ".fp8." not in graph.name and p.dtype == "float32"
+        return weights == "int8" or (weights == "auto" and float32)
+
     def parity(self, selected: bool) -> StageResult:
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
@@ -365,8 +373,9 @@ class Build:
         cfg = self.cfg
         engines = self.results["engines"].status in ("ran", "cached")
         graphs = self.graphs_for("onnxruntime")
+        int8 = not engines and self.ort_drafter_int8(graphs["drafter_tree"])
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
-               "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()},
+               "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
                "template": hashlib.sha256(TEMPLATE.read_bytes()).hexdigest()}
         skip = None if cfg.outputs.triton else "outputs.triton is false in the config"
         if skip is None:
@@ -375,7 +384,7 @@ class Build:
         def run(tmp: Path) -> dict:
             plans = {n: self.path("engines", f"{n}.plan") for n in ("target", "drafter_tree")} if engines else None
             precision = {g: ("fp8" if ".fp8." in p.name else "float") for g, p in graphs.items()}
-            return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log)
+            return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log, drafter_int8=int8)
         return self.run("triton", selected, key, run, skip)
 
 

@@ -101,10 +101,12 @@ def _kv(graph: Path, layers_key: str) -> dict:
 
 
 def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], precision: dict[str, str],
-                     plans: dict[str, Path] | None, log=None) -> dict:
+                     plans: dict[str, Path] | None, log=None, drafter_int8: bool = False) -> dict:
+    """The repository in `out`; `drafter_int8` (ONNX Runtime only) serves the drafter graph with
+    int8 weights made here from graphs['drafter_tree'] (serving.drafter_weights)."""
     name = cfg.serving.model_name
     version = out / name / "1"
-    progress = Progress("triton", 4, log)
+    progress = Progress("triton", 4 + drafter_int8, log)
     version.mkdir(parents=True)
     shutil.copy2(TEMPLATE, version / "model.py")
     (out / name / "config.pbtxt").write_text(python_model_config(name))
@@ -134,14 +136,35 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
             (out / model / "config.pbtxt").write_text(plan_model_config(model, graphs[graph], profiles))
     else:
         for graph, path in graphs.items():
-            _link_graph(path, version / "graphs")
+            if graph == "drafter_tree" and drafter_int8:
+                from ..quant.cpu_int8 import quantize_int8
+                path = version / "graphs" / f"{path.stem}.int8.onnx"
+                path.parent.mkdir(exist_ok=True)
+                counts = quantize_int8(graphs[graph], path)
+                precision = dict(precision, drafter_tree="int8")
+                progress.step(f"int8 drafter weights ({counts['int8_matmuls']} MatMuls)")
+            else:
+                _link_graph(path, version / "graphs")
             settings["graphs"][graph] = f"graphs/{path.name}"
+        settings["precision"] = precision
     progress.step("tensorrt_plan models" if plans else "onnx graphs")
     import json
     (version / "eagle.json").write_text(json.dumps(settings, indent=2))
     progress.step("eagle.json")
-    return {"model": name, "backend": settings["backend"], "graphs": {g: p.name for g, p in graphs.items()},
+    served = {g: Path(f).name for g, f in settings["graphs"].items()} or {g: p.name for g, p in graphs.items()}
+    return {"model": name, "backend": settings["backend"], "graphs": served, "precision": settings["precision"],
             "models": sorted(p.name for p in out.iterdir())}
 
 
-__all__ = ["TEMPLATE", "plan_model_config", "python_model_config", "write_repository"]
+def served_graphs(repository: Path, name: str) -> dict[str, Path]:
+    """The ONNX graphs a repository's in-process ONNX Runtime path runs (eagle.json), by graph
+    name: what an offline run must use to be compared with the served stream."""
+    import json
+    version = Path(repository) / name / "1"
+    settings = json.loads((version / "eagle.json").read_text())
+    if settings["backend"] != "onnxruntime":
+        raise ValueError(f"{version / 'eagle.json'}: backend {settings['backend']!r} serves engines, not ONNX graphs")
+    return {g: version / f for g, f in settings["graphs"].items()}
+
+
+__all__ = ["TEMPLATE", "plan_model_config", "python_model_config", "served_graphs", "write_repository"]
