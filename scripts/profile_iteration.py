@@ -4,7 +4,7 @@ continuously batched with the cost model (`bench --concurrency`'s speculative-ba
 after the same warm-up on held-out prompts).
 
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
-    python scripts/profile_iteration.py --streams 8 --prompts 16
+    python scripts/profile_iteration.py --streams 8 --prompts 16 [--runs 3]
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
 profiler), then the host time of each step of the loop (timers around its methods), then the
@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per session")
     p.add_argument("--streams", type=int, default=1, help="sequences decoded at a time (> 1: batched, with the cost model)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
+                   "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
@@ -112,15 +114,19 @@ def main(argv=None) -> int:
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
     measured = prompts[held_out:]
     made = [(b.made, b.rebound) for b in (ort.target.bindings, ort.drafter.bindings)]
-    wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
+    counted = 0
+    for k in range(args.runs):
+        wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
+        if batched is not None:
+            print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
+                  f"{sum(batched.verified) / len(batched.verified):.2f} (the cost model's choice)")
+        print(f"{f'run {k + 1}: ' if args.runs > 1 else ''}tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): "
+              f"{iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which graph calls "
+              f"{1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms", flush=True)
+        counted += iterations
     made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((ort.target.bindings, ort.drafter.bindings), made)]
-    if batched is not None:
-        print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
-              f"{sum(batched.verified) / len(batched.verified):.2f} (the cost model's choice)")
-    print(f"tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): {iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which "
-          f"graph calls {1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms")
     print("ONNX Runtime bindings per iteration (made new / past bound again): target "
-          + ", drafter ".join(f"{m / iterations:.2f} / {r / iterations:.2f}" for m, r in made))
+          + ", drafter ".join(f"{m / counted:.2f} / {r / counted:.2f}" for m, r in made))
     with phase_timers(ort) as spent:
         run(ort, measured, args.max_new_tokens, batched, args.streams)
     print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")

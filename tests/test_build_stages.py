@@ -82,6 +82,10 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
     served = onnx.load(str(tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx"))
     assert sum(n.op_type == "MatMulInteger" for n in served.graph.node) > 0
     assert not (tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.onnx").exists()
+    from eagle_trt.build.triton import served_graphs    # what make demo times
+    assert served_graphs(tiny["out"] / "triton", "eagle_trt") == {
+        "target": tiny["out"] / "triton/eagle_trt/1/graphs/target.fp8.onnx",
+        "drafter_tree": tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx"}
     report = json.loads((tiny["out"] / "parity/report.json").read_text())
     assert report["passed"] and report["quantized"]["target"]["layers"] > 0
     target = next(g for g in report["graphs"] if g["name"] == "target")    # greedy acceptance inside the target graph

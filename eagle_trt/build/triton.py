@@ -156,15 +156,14 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
             "models": sorted(p.name for p in out.iterdir())}
 
 
-def served_graphs(repository: Path, name: str) -> dict[str, Path]:
+def served_graphs(repository: Path, name: str) -> dict[str, Path] | None:
     """The ONNX graphs a repository's in-process ONNX Runtime path runs (eagle.json), by graph
-    name: what an offline run must use to be compared with the served stream."""
+    name: what an offline run must use to be compared with the served stream. None where the
+    repository serves TensorRT engines."""
     import json
     version = Path(repository) / name / "1"
     settings = json.loads((version / "eagle.json").read_text())
-    if settings["backend"] != "onnxruntime":
-        raise ValueError(f"{version / 'eagle.json'}: backend {settings['backend']!r} serves engines, not ONNX graphs")
-    return {g: version / f for g, f in settings["graphs"].items()}
+    return {g: version / f for g, f in settings["graphs"].items()} if settings["backend"] == "onnxruntime" else None
 
 
 __all__ = ["TEMPLATE", "plan_model_config", "python_model_config", "served_graphs", "write_repository"]
