@@ -14,6 +14,7 @@ initializers; ONNX Runtime's quantizer only recognises a MatMul whose weight is 
 so those aliases are folded first (every level then reads the one int8 copy)."""
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def fold_weight_aliases(model: onnx.ModelProto) -> int:
     return len(alias)
 
 
+class _DropPreprocessingHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()
+
+
 def quantize_int8(src: str | Path, dst: str | Path) -> dict:
     """Write `src` with int8 per-channel weights for every weight MatMul to `dst` (atomically:
     a failed run leaves no `dst`). Returns counts for the log."""
@@ -52,8 +58,15 @@ def quantize_int8(src: str | Path, dst: str | Path) -> dict:
         folded_path, out = Path(tmp) / "folded.onnx", Path(tmp) / dst.name
         external = len(save_graph(model, folded_path)) > 1     # past 2 GB: weights in a data file
         del model
-        quantize_dynamic(folded_path, out, weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=external)
+        # its root-logger hint to run ORT's pre-processing (shape inference, for models traced
+        # without shapes) does not apply to an exported graph and would print on every build
+        root, hint = logging.getLogger(), _DropPreprocessingHint()
+        root.addFilter(hint)
+        try:
+            quantize_dynamic(folded_path, out, weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"], use_external_data_format=external)
+        finally:
+            root.removeFilter(hint)
         quantized = onnx.load(str(out))
         matmuls = sum(n.op_type == "MatMulInteger" for n in quantized.graph.node)
         install_graph(save_graph(quantized, out), dst)
