@@ -189,15 +189,26 @@ def _timed(m: CostModel, iterations: dict) -> None:
 
 def test_cost_model_re_times_the_choice_it_is_not_making():
     """A stale mean must not rule a choice out for good: drafting re-times plain decoding for 3
-    steps every 32; plain decoding drafts 8 full trees if drafting is nearly as good, less and
-    less often while it does not win."""
+    steps every 32, and while drafting leads by 20% or more each re-timing waits twice as long
+    (up to 8 periods); plain decoding drafts 8 full trees if drafting is nearly as good, less
+    and less often while it does not win."""
     m = CostModel(nodes=4, draft_rows_per_seq=6, warmup=1)
     m.time_target(4, 0.03)
     m.time_draft(4, 2, 0.01)
     m.observe([0, 3], 4)                                      # 3 tokens from the full tree, 2 from fewer nodes
-    _timed(m, {(4, 0): 0.06, **{(4, n): 0.05 for n in range(1, 5)}})      # plain timed on slow steps
+    lead_10 = {(4, 0): 0.05, **{(4, n): 0.05 / 1.1 * m.accepted[n] for n in range(1, 5)}}   # drafting 10% ahead
+    _timed(m, lead_10)
     picks = [m.choose(4) for _ in range(70)]
-    assert picks.count(0) == 6 and picks[31:34] == picks[65:68] == [0] * 3, picks   # 3 in a row
+    assert picks.count(0) == 6 and picks[31:34] == picks[65:68] == [0] * 3, picks   # 3 in a row, every 32
+    _timed(m, {(4, 0): 0.06, **{(4, n): 0.05 for n in range(1, 5)}})      # drafting far ahead (3.6x)
+    picks = "".join(str(m.choose(4)) for _ in range(1500))
+    starts = [i for i in range(len(picks)) if picks[i:i + 3] == "000" and (i == 0 or picks[i - 1] != "0")]
+    assert picks.count("0") == 3 * len(starts), picks
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:3] == [2 * 32 + 2, 4 * 32 + 2, 8 * 32 + 2] and set(gaps[3:]) == {8 * 32 + 2}, gaps   # backing off
+    _timed(m, lead_10)
+    picks = "".join(str(m.choose(4)) for _ in range(300))
+    assert "0" * 3 in picks[:8 * 32 + 3] and picks.count("0") >= 3 * 7, picks    # every 32 steps again
     _timed(m, {(4, 0): 0.03, **{(4, n): 0.1 for n in range(1, 5)}})       # drafting at 90% of plain: retried
     picks = "".join(map(str, (m.choose(4) for _ in range(1500))))
     assert set(picks) == {"0", "4"} and picks.count("04444444400") == picks.count("4") // 8, picks   # bursts of 8

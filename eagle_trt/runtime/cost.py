@@ -36,6 +36,10 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   a busy machine) would otherwise rule a choice out for good. So while drafting, a batch size
   re-times plain decoding for `plain_burst` (3) steps every `explore_every` (32) and verifies
   the full tree every 32 drafting steps (which also keeps the larger trees' gains current).
+  Where drafting leads plain decoding by `clear_lead` (20%) or more, each re-timing of plain
+  decoding doubles the wait before the next, up to `plain_backoff_max` (8) periods: a stale plain
+  time cannot flip such a choice, and at one stream on a CPU (drafting ~1.45x plain) re-timing
+  every 32 steps spent ~9% of the steps decoding plainly. A narrower lead resets the wait.
   While decoding plainly, it drafts full trees for `burst` (8) steps if drafting's estimated
   rate (its catch-up included) is within `retry` (85%) of plain decoding's: 128 steps after the
   decoder last drafted (at any batch size: a batch shrinking as requests finish is not retried
@@ -196,6 +200,9 @@ class CostModel:
     last_drafted: int = 0                                  # clock of the last step that drafted (any batch)
     burst: int = 8                                         # full-tree steps per retry
     plain_burst: int = 3                                   # plain steps per re-timing while drafting
+    clear_lead: float = 0.2                                # drafting this much faster: re-time plain less often
+    plain_backoff: dict = field(default_factory=dict)      # batch -> explore_every periods between re-timings
+    plain_backoff_max: int = 8
     switch_margin: float = 0.05                            # plain -> drafting needs this much more
     drafting: dict = field(default_factory=dict)           # batch -> whether the last choice drafted
     trial: dict = field(default_factory=dict)              # batch -> (n, steps still to run) of a re-timing
@@ -293,6 +300,9 @@ class CostModel:
         # catch-up, and the estimate that drafting pays comes from stale or few trees)
         need = self.margin if self.drafting.get(batch) else self.switch_margin
         pick = best if rates[best] > rates[0] * (1 + need) else 0
+        clear = rates[best] > rates[0] * (1 + self.clear_lead)
+        if not clear:
+            self.plain_backoff[batch] = 1
         self.drafting[batch] = pick > 0
         if pick:
             self.backoff = 4
@@ -301,8 +311,10 @@ class CostModel:
         if left:                                       # a re-timing in progress
             self.trial[batch] = retiming, left - 1
             pick = retiming
-        elif pick and self._stale(batch, 0, 1):        # re-time plain decoding: cheap while drafting
+        elif pick and self._stale(batch, 0, self.plain_backoff.get(batch, 1)):   # re-time plain decoding
             self.trial[batch] = 0, self.plain_burst - 1
+            if clear:       # the next re-timing waits twice as long
+                self.plain_backoff[batch] = min(2 * self.plain_backoff.get(batch, 1), self.plain_backoff_max)
             pick = 0
         elif pick and self.since_full >= self.explore_every:
             pick = self.nodes
