@@ -89,6 +89,12 @@ class ModelPrecision:
         """The float type of the exported graph."""
         return DTYPE_OF[self.base if self.quantized else self.format]
 
+    @property
+    def ort_float32(self) -> bool:
+        """Whether ONNX Runtime runs this model as an fp32 float graph (FP8 runs its Q/DQ graph;
+        NVFP4, which ONNX Runtime cannot run, falls back to the float graph of its base)."""
+        return self.format != "fp8" and self.dtype == "float32"
+
 
 @dataclass(frozen=True)
 class PrecisionSection:
@@ -217,7 +223,7 @@ class BuildConfig:
             raise BuildConfigError(f"{source}: serving.max_concurrent: the running batch ({self.serving.max_concurrent}) "
                                    f"must fit the engines' batch axis, engines.max_batch = {self.engines.max_batch}")
         drafter = self.precision.drafter
-        if self.serving.drafter_weights == "int8" and (drafter.format == "fp8" or drafter.dtype != "float32"):
+        if self.serving.drafter_weights == "int8" and not drafter.ort_float32:
             raise BuildConfigError(f"{source}: serving.drafter_weights: int8 is made from an fp32 drafter graph, but "
                                    f"precision.drafter is {drafter.format}"
                                    + (f" with base {drafter.base}" if drafter.quantized else "")

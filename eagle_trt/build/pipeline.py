@@ -327,13 +327,12 @@ class Build:
             out[graph] = self.path("quantize", f"{graph}.{p.format}.onnx") if usable else self.path("export", f"{graph}.onnx")
         return out
 
-    def ort_drafter_int8(self, graph: Path) -> bool:
-        """Whether ONNX Runtime serves the drafter with int8 weights made from `graph` (the
-        graph graphs_for('onnxruntime') gives it): serving.drafter_weights, auto meaning an fp32
-        float graph."""
-        weights, p = self.cfg.serving.drafter_weights, self.cfg.precision.drafter
-        float32 = ".fp8." not in graph.name and p.dtype == "float32"
-        return weights == "int8" or (weights == "auto" and float32)
+    @property
+    def ort_drafter_int8(self) -> bool:
+        """Whether ONNX Runtime serves the drafter with int8 weights (serving.drafter_weights;
+        auto: where it would run an fp32 float graph)."""
+        weights = self.cfg.serving.drafter_weights
+        return weights == "int8" or (weights == "auto" and self.cfg.precision.drafter.ort_float32)
 
     def parity(self, selected: bool) -> StageResult:
         cfg = self.cfg
@@ -373,7 +372,7 @@ class Build:
         cfg = self.cfg
         engines = self.results["engines"].status in ("ran", "cached")
         graphs = self.graphs_for("onnxruntime")
-        int8 = not engines and self.ort_drafter_int8(graphs["drafter_tree"])
+        int8 = not engines and self.ort_drafter_int8
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
                "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
                "template": hashlib.sha256(TEMPLATE.read_bytes()).hexdigest()}
