@@ -23,6 +23,9 @@ LR=${LR:-6e-4}
 WARMUP=${WARMUP:-100}
 TTT=${TTT:-5}
 LENGTH_GROUPS=${LENGTH_GROUPS:-16}       # --length-groups: batches cut by length (the H200 leg of 2026-11-26 padded 45% of its tokens)
+VARIANTS=${VARIANTS:-"eagle3.1 eagle3"}   # one variant gets the whole GPU
+SETS=${SETS:-data/distill/smollm2-sharegpt}   # distillation sets, space-separated (each one --distill)
+PROFILE=${PROFILE:-1}         # 0: skip the step profile (12 s of device time)
 INIT=${INIT:-}                # e.g. eagle_trt/drafters/smollm2-: continue from the drafter folder <INIT><variant>
                               # (config, weights and its train_log.json, for the CPU-hours lineage); default: from scratch
 export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/tmp/eagle-trt-cache} PYTHONUNBUFFERED=1
@@ -71,26 +74,26 @@ if [ "${GEN_MIN:-0}" != 0 ]; then
 fi
 
 # where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
-for groups in 1 "$LENGTH_GROUPS"; do
+[ "$PROFILE" != 0 ] && for groups in 1 "$LENGTH_GROUPS"; do
   $PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 --length-groups "$groups" 2>&1 | grep -v Warning
 done > "$RESULTS/profile_train_step.txt" || true
-cat "$RESULTS/profile_train_step.txt"
+[ "$PROFILE" != 0 ] && cat "$RESULTS/profile_train_step.txt"
 
-for variant in eagle3.1 eagle3; do
+distill=()
+for set in $SETS; do distill+=(--distill "$set"); done
+for variant in $VARIANTS; do
   init=()
   [ -n "$INIT" ] && init=(--init-from "$INIT$variant")
   $PY -m eagle_trt.train "${init[@]}" --target smollm2 --variant "$variant" --out "$RUNS/$variant" \
-    --distill data/distill/smollm2-sharegpt --eval-distill data/distill/smollm2-val --features online \
+    "${distill[@]}" --eval-distill data/distill/smollm2-val --features online \
     --feature-precision bfloat16 --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" --ttt-steps "$TTT" \
     --ttt-share 0.5 --freeze-head --seed 0 --length-groups "$LENGTH_GROUPS" --keep-features-gb "$KEEP_GB" --steps 1000000 --save-every 300 --log-every 100 --threads 4 \
     --time-budget-min "$MIN" --schedule budget > "$RUNS/$variant.log" 2>&1 &
 done
 status=0
-wait -n || status=1
-wait -n || status=1
-for variant in eagle3.1 eagle3; do echo "== $variant"; grep -E "eval at|budget|error|drafter:" "$RUNS/$variant.log" | tail -4; done
-(cd "$RUNS" && tar cf - eagle3.1/drafter eagle3.1/train_log.json eagle3.1.log eagle3/drafter eagle3/train_log.json \
-  eagle3.log 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
+for variant in $VARIANTS; do wait -n || status=1; done
+for variant in $VARIANTS; do echo "== $variant"; grep -E "eval at|budget|error|drafter:" "$RUNS/$variant.log" | tail -4; done
+(cd "$RUNS" && for v in $VARIANTS; do echo $v/drafter $v/train_log.json $v.log; done | xargs tar cf - 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
 # Host work per iteration on this GPU (issue 22), when asked (BENCH_MIN minutes at most, after the
 # results are safe): bench's PyTorch-on-CUDA row, the shipped drafter, MT-bench, the default tree;
 # its ONNX Runtime rows run on this machine's CPUs. RESULTS/bench/bench.json has host_ms_per_iteration.
