@@ -60,11 +60,12 @@ def synced_graph_seconds(*backends):
     (`_run`, its input copies included) is timed with the device synchronized before and after,
     so CUDA's asynchrony cannot hide host work under a kernel; wall time minus graph seconds is
     then the host work between calls (an upper bound: overlap is taken away). The synchronizing
-    costs time, so tokens/s come from runs outside this."""
+    costs time, so tokens/s come from runs outside this. Read the counts inside the block."""
     def timed(backend, run):
+        device = getattr(backend, "device", None) or backend.model.fc.weight.device   # the drafter has no .device
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
         def call(*args, **kwargs):
-            device = getattr(backend, "device", None) or backend.model.fc.weight.device
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             start = time.perf_counter()
             out = run(*args, **kwargs)
@@ -78,8 +79,8 @@ def synced_graph_seconds(*backends):
     try:
         yield
     finally:
-        for b in backends:
-            del b._run              # the class's method again
+        for b in backends:           # the class's method again, and no count that stopped counting
+            del b._run, b.graph_seconds
 
 
 @contextmanager
