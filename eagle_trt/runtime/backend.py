@@ -214,15 +214,15 @@ class DrafterBackend(_Batched):
         raise NotImplementedError
 
 
-def tree_from_outputs(out: dict[str, Tensor], arrays: dict | None = None) -> DraftTree:
-    """A DraftTree from a drafter-tree graph's named outputs (any backend), where they are: the
-    decoder builds the verification inputs from it on the same device. arrays: numpy views of
-    the same outputs, where the backend has them (DraftTree.arrays)."""
-    scores = out["tree_scores"]
-    host = None if arrays is None else ((out["tree_tokens"], out["tree_mask"], out["tree_depths"]),
-                                        (arrays["tree_tokens"], arrays["tree_mask"], arrays["tree_depths"]))
-    return DraftTree(*(out[n] for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths")),
-                     scores if scores.dtype == torch.float32 else scores.float(), host)
+def tree_from_outputs(out: dict[str, Tensor], arrays: dict | None = None, prefix: str = "") -> DraftTree:
+    """A DraftTree from a drafter-tree graph's named outputs (any backend; `prefix` + name where
+    the graph prefixes them, as the iteration graph does), where they are: the decoder builds
+    the verification inputs from it on the same device. arrays: numpy views of the same
+    outputs, where the backend has them (DraftTree.arrays)."""
+    names = [prefix + n for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores")]
+    scores = out[names[4]]
+    host = None if arrays is None else (tuple(out[names[i]] for i in (0, 2, 3)), tuple(arrays[names[i]] for i in (0, 2, 3)))
+    return DraftTree(*(out[n] for n in names[:4]), scores if scores.dtype == torch.float32 else scores.float(), host)
 
 
 class TorchTarget(TargetBackend):

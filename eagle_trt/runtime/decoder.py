@@ -154,12 +154,22 @@ class SpeculativeDecoder:
     cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
     verifies every node of every tree.
     trim: without a cost model, verify per iteration only the nodes whose scores pay for their
-    rows (runtime/cost.py NodeTrim; bench --node-trim)."""
+    rows (runtime/cost.py NodeTrim; bench --node-trim).
+    iteration: drafting and verification in one graph call (OrtIteration over these two
+    backends: `run(states, ids, new_lengths)` returns the trees and verify's outputs); it
+    verifies every node, so it takes neither a cost model nor a trim."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
-                 vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None):
+                 vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None,
+                 iteration=None):
         if cost_model is not None and trim is not None:
             raise ConfigError("a decoder takes a cost model or a node trim, not both (the cost model picks n per batch)")
+        if iteration is not None and (cost_model is not None or trim is not None):
+            raise ConfigError("an iteration graph verifies every draft node: it takes no cost model or node trim")
+        if iteration is not None and (iteration.target is not target or iteration.drafter is not drafter):
+            raise ConfigError("the iteration graph's backends must be the decoder's target and drafter (they share "
+                              "the KV caches)")
+        self.iteration = iteration
         self.target, self.drafter = target, drafter
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
@@ -240,8 +250,9 @@ class SpeculativeDecoder:
         """Pending rows beyond what one iteration accepts (a new prompt, plain steps): encoded alone."""
         return len(s.pending_ids) - 1 if len(s.pending_ids) > self.drafter.shape.depth + 1 else 0
 
-    def _draft(self, batch: list[Sequence]) -> tuple[DraftTree, float]:
-        """The batch's trees, and the seconds spent catching the drafter up on backlogs."""
+    def _draft(self, batch: list[Sequence]) -> tuple[DraftTree, float, tuple | None]:
+        """The batch's trees, the seconds spent catching the drafter up on backlogs, and with an
+        iteration graph the verification's outputs (None: verify them with the target)."""
         caught_up, rows, start = False, 0, time.perf_counter()
         for i, s in enumerate(batch):
             states = _cat_rows(s.pending_states)
@@ -261,12 +272,16 @@ class SpeculativeDecoder:
         else:                           # padded to T rows; padding rows are never committed nor seen
             states = _pad_rows([s.pending_states[0] for s in batch], T)
             ids = [s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch]
-        trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
-                            lambda sec: self._time_draft(len(batch), T, sec))
+        verified = None
+        if self.iteration is not None:
+            trees, *verified = self.iteration.run(states, ids, lengths)
+        else:
+            trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
+                                lambda sec: self._time_draft(len(batch), T, sec))
         for s in batch:
             s.pending_states, s.pending_ids = [], []
             s.result.drafter_calls += 1
-        return trees, catch_up
+        return trees, catch_up, verified
 
     def step(self) -> list[Sequence]:
         """One iteration for every active sequence; returns those that finished in it."""
@@ -284,9 +299,9 @@ class SpeculativeDecoder:
         # the verified trees, where the drafter made them: every node, or each tree's n best (one
         # batched selection); the verification inputs are built there too, so on a GPU the only
         # host-to-device copies are the roots and lengths
-        verified = None
+        verified = done = None
         if n > 0:
-            full, catch_up = self._draft(batch)
+            full, catch_up, done = self._draft(batch)   # done: verified in the same call (iteration graph)
             if self.trim is not None:
                 n = self.trim.choose(full.scores, n)
             verified = full.top(n)
@@ -294,8 +309,8 @@ class SpeculativeDecoder:
 
         def tree(i: int) -> DraftTree:
             return verified.row(i) if verified is not None else _empty_tree("cpu")
-        logits, captured, ids, mask = self._timed(lambda: self.target.verify(roots, verified),
-                                                  lambda s: self._time_target(B * (1 + n), s))
+        logits, captured, ids, mask = done or self._timed(lambda: self.target.verify(roots, verified),
+                                                          lambda s: self._time_target(B * (1 + n), s))
         paths, news = [], []
         # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
         # outputs), and one transfer to the host of every path, length and token (and, for the

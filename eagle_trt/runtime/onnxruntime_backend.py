@@ -22,6 +22,7 @@ import torch
 
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
+from ..export.iteration import PREFIX
 from .backend import DrafterBackend, TargetBackend, logits_rows, tree_from_outputs
 from .kv_cache import CHUNK
 
@@ -113,10 +114,11 @@ class Bound:
     bindings and allocates nothing. Outputs are therefore valid until the backend's next call
     of the same shape (the decoder copies what it keeps: the accepted rows' states)."""
 
-    def __init__(self, io: ort.IOBinding, staging: torch.Tensor):
-        self.io, self.staging = io, staging          # staging [2, L, b, Hkv, T, D]: new K, new V
-        # what the KV cache gets to commit from: the same memory in numpy, where the cache has it
-        self.staged = staging.numpy() if staging.dtype in NUMPY_DTYPES else staging
+    def __init__(self, io: ort.IOBinding, stagings: list[torch.Tensor]):
+        self.io = io    # stagings: per KV cache the call writes, [2, L, b, Hkv, T, D]: new K, new V
+        # what the KV caches get to commit from: the same memory in numpy, where the cache has it
+        self.staged_all = [s.numpy() if s.dtype in NUMPY_DTYPES else s for s in stagings]
+        self.staged = self.staged_all[0]
         self.buffers: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}      # the same memory as numpy arrays
         self.layout: tuple | None = None             # the cache layout its past inputs are bound to
@@ -158,7 +160,7 @@ class Bindings:
     graph's (past key, past value, new key, new value) names. buffers(bound, b, T, *extra)
     makes the other buffers."""
 
-    def __init__(self, session: ort.InferenceSession, kv_names: list[tuple[str, str, str, str]], buffers,
+    def __init__(self, session: ort.InferenceSession, kv_names: list[list[tuple[str, str, str, str]]], buffers,
                  width_buffers=None, keep: int = 16, keep_rows: int = 16):
         self.session, self.kv_names, self.keep, self.keep_rows = session, kv_names, keep, keep_rows
         self.make_buffers, self.make_width_buffers = buffers, width_buffers
@@ -169,30 +171,36 @@ class Bindings:
         return Bindings(self.session, self.kv_names, self.make_buffers, self.make_width_buffers, self.keep,
                         self.keep_rows)
 
-    def get(self, backend, slots: range, T: int, width: int, *extra: int) -> Bound:
-        cache = backend.cache
-        key = (slots.start, slots.stop, T, *extra)
-        layout = (width, cache.layout_id)
+    def get(self, slots: range, caches: list[tuple], *extra: int) -> Bound:
+        """The binding of a call over `slots` with, per KV cache the graph reads (kv_names' order),
+        (cache, new rows T, past width)."""
+        key = (slots.start, slots.stop, *(T for _, T, _ in caches), *extra)
+        layout = tuple((width, cache.layout_id) for cache, _, width in caches)
         entry = self.entries.pop(key, None)
         if entry is None:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
-            L, _, H, _, D = cache.k.shape
-            entry = Bound(self.session.io_binding(),
-                          torch.empty((2, len(self.kv_names), len(slots), H, T, D), dtype=cache.k.dtype))
-            for i, (_, _, new_k, new_v) in enumerate(self.kv_names):
-                bind_buffer(entry.io, new_k, entry.staging[0, i])
-                bind_buffer(entry.io, new_v, entry.staging[1, i])
-            self.make_buffers(entry, len(slots), T, *extra)
+            io, stagings = self.session.io_binding(), []
+            for (cache, T, _), names in zip(caches, self.kv_names):
+                _, _, H, _, D = cache.k.shape
+                staging = torch.empty((2, len(names), len(slots), H, T, D), dtype=cache.k.dtype)
+                for i, (_, _, new_k, new_v) in enumerate(names):
+                    bind_buffer(io, new_k, staging[0, i])
+                    bind_buffer(io, new_v, staging[1, i])
+                stagings.append(staging)
+            entry = Bound(io, stagings)
+            self.make_buffers(entry, len(slots), *(T for _, T, _ in caches), *extra)
             self.made += 1
-        if entry.layout != layout:      # a new entry, or the cache re-laid out since its last call
+        if entry.layout != layout:      # a new entry, or a cache re-laid out since its last call
             self.rebound += 1
-            for i, (past_k, past_v, _, _) in enumerate(self.kv_names):
-                bind_past(entry.io, cache, slots, width, i, (past_k, past_v))
+            for (cache, _, width), names in zip(caches, self.kv_names):
+                for i, (past_k, past_v, _, _) in enumerate(names):
+                    bind_past(entry.io, cache, slots, width, i, (past_k, past_v))
             if self.make_width_buffers is not None:
+                _, T, width = caches[0]
                 self.make_width_buffers(entry, len(slots), T, width)
             entry.layout = layout
-        if T <= self.keep_rows:
+        if max(T for _, T, _ in caches) <= self.keep_rows:
             self.entries[key] = entry   # most recently used last
         return entry
 
@@ -200,6 +208,13 @@ class Bindings:
 def fixed_output_specs(session: ort.InferenceSession, names) -> dict[str, tuple[torch.dtype, list]]:
     outputs = {o.name: o for o in session.get_outputs()}
     return {n: (ONNX_TORCH_DTYPES[outputs[n].type], list(outputs[n].shape)) for n in names}
+
+
+def target_kv_names(num_layers: int) -> list[tuple[str, str, str, str]]:
+    return [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}") for i in range(num_layers)]
+
+
+DRAFTER_KV_NAMES = ("past_key", "past_value", "new_key", "new_value")
 
 
 @functools.lru_cache(maxsize=64)
@@ -228,8 +243,7 @@ class OrtTarget(_Timed, TargetBackend):
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
-        self.bindings = Bindings(self.session, [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}")
-                                                for i in range(self.num_layers)], self._buffers, self._width_buffers)
+        self.bindings = Bindings(self.session, [target_kv_names(self.num_layers)], self._buffers, self._width_buffers)
         self.graph_accepts = set(ACCEPT_OUTPUTS) <= set(outputs)   # graphs exported before format 5 do not
 
     def reset(self, capacity: int = CHUNK) -> None:
@@ -265,7 +279,7 @@ class OrtTarget(_Timed, TargetBackend):
         bound.mask_lengths = None                          # a new buffer: verify writes all of it
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        bound = self.bindings.get(self, slots, int(input_ids.shape[1]), width, int(logits_index.shape[0]))
+        bound = self.bindings.get(slots, [(self.cache, int(input_ids.shape[1]), width)], int(logits_index.shape[0]))
         bound.feed(input_ids=input_ids, position_ids=positions, attention_mask=mask)
         bound.mask_lengths = None       # the whole mask written: verify's next call rewrites it all too
         return self._call(bound)
@@ -302,7 +316,7 @@ class OrtTarget(_Timed, TargetBackend):
         if T < self.min_rows:                     # padded rows: the general path
             return super().verify(roots, tree)
         slots, lengths, width = self._stage(None, T)
-        bound = self.bindings.get(self, slots, T, width, T)
+        bound = self.bindings.get(slots, [(self.cache, T, width)], T)
         a = bound.arrays
         ids, positions, mask = a["input_ids"], a["position_ids"], a["attention_mask"]
         past = lengths[0] if len(lengths) == 1 else np.array(lengths)[:, None]
@@ -344,7 +358,7 @@ class OrtDrafter(_Timed, DrafterBackend):
         if isinstance(nodes, int) and nodes != shape.total_tokens:
             raise ValueError(f"{path}: drafter graph was exported for total_tokens {nodes}, "
                              f"not {shape.total_tokens}; re-export it for this tree shape")
-        self.bindings = Bindings(self.session, [("past_key", "past_value", "new_key", "new_value")], self._buffers)
+        self.bindings = Bindings(self.session, [[DRAFTER_KV_NAMES]], self._buffers)
         self.tree_outputs = fixed_output_specs(self.session, DRAFT_TREE_OUTPUTS[:5])
         self.captured_width = int(inputs["captured"].shape[-1])
         self.captured_dtype = TORCH_DTYPES[inputs["captured"].type]
@@ -361,10 +375,74 @@ class OrtDrafter(_Timed, DrafterBackend):
             bound.buffer(name, dtype, [b if isinstance(d, str) else d for d in shape], output=True)
 
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
-        bound = self.bindings.get(self, slots, int(captured.shape[1]), width)
+        bound = self.bindings.get(slots, [(self.cache, int(captured.shape[1]), width)])
         bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
         self._run_graph(bound.io)
         tree = bound.tree or tree_from_outputs(bound.buffers, bound.arrays)
         if tree.scores is bound.buffers["tree_scores"]:   # float32 scores: a view, valid for every call
             bound.tree = tree
         return tree, bound.staged, None   # [2, 1, b, Hkv, T, D]
+
+
+class OrtIteration(_Timed):
+    """One speculative iteration as one graph call (the iteration graph, export/iteration.py):
+    the drafter encodes each sequence's newly committed rows and drafts its tree, the target
+    verifies root + tree and accepts, inside one session. Nothing crosses the host between the
+    two halves: no tree read back, no verification inputs built, one binding, one call.
+
+    It works on the target's and drafter's own backends (their caches, slots and bookkeeping),
+    so the decoder uses it where an iteration verifies every node and the two-call path for the
+    rest (prefills, catching the drafter up on a long backlog). Its outputs are read as the
+    backends' own: the target's accept_greedy and keep_states see this call's buffers."""
+
+    def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = None,
+                 **session_kwargs):
+        self.session = make_session(path, threads, **session_kwargs)
+        self.target, self.drafter, self.prefix = target, drafter, PREFIX
+        inputs = {i.name for i in self.session.get_inputs()}
+        if not {PREFIX + "captured", "past_lengths", "past_key_0"} <= inputs:
+            raise ValueError(f"{path}: not an iteration graph (inputs {sorted(inputs)[:6]}...): make one with "
+                             f"eagle_trt.export.iteration.compose_iteration")
+        self.nodes = drafter.shape.total_tokens
+        self.tree_outputs = fixed_output_specs(self.session, [PREFIX + n for n in DRAFT_TREE_OUTPUTS[:5]])
+        if self.tree_outputs[PREFIX + "tree_tokens"][1][1] != self.nodes:
+            raise ValueError(f"{path}: its tree has {self.tree_outputs[PREFIX + 'tree_tokens'][1][1]} nodes, the "
+                             f"drafter backend's shape {self.nodes}: compose it from this drafter's graph")
+        names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
+        self.bindings = Bindings(self.session, names, self._buffers)
+
+    def _buffers(self, bound: Bound, b: int, T: int, Tp: int) -> None:
+        t, d, p = self.target, self.drafter, self.prefix
+        bound.buffer(p + "captured", d.captured_dtype, [b, Tp, d.captured_width], output=False)
+        bound.buffer(p + "input_ids", torch.int64, [b, Tp], output=False)
+        for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
+            bound.buffer(name, torch.int64, [b], output=False)
+        for name, (dtype, shape) in self.tree_outputs.items():
+            bound.buffer(name, dtype, [b if isinstance(x, str) else x for x in shape], output=True)
+        bound.buffer("input_ids", torch.int64, [b, T], output=True)
+        bound.buffer("logits", t.logits_dtype, [b, T, t.vocab_size], output=True)
+        bound.buffer("captured", t.captured_dtype, [b, T, t.captured_width], output=True)
+        for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
+            bound.buffer(name, torch.int64, shape, output=True)
+
+    def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None):
+        """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
+        each sequence's root (its last valid input id) and whole tree, in one call. Returns the
+        trees and what verify returns: logits, captured, input ids and the tree mask."""
+        t, d, p = self.target, self.drafter, self.prefix
+        Tp, T = int(captured.shape[1]), 1 + self.nodes
+        slots, drafted, d_width = d._stage(slots, Tp)
+        slots, committed, t_width = t._stage(slots, T)
+        bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, Tp, d_width)])
+        bound.feed(**{p + "captured": captured, p + "input_ids": input_ids, p + "past_lengths": drafted,
+                      p + "new_lengths": new_lengths, "past_lengths": committed})
+        out = bound.buffers
+        t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
+        self._run_graph(bound.io)
+        d.cache.write(bound.staged_all[1])
+        d.cache.commit([list(range(n)) for n in new_lengths])
+        t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
+        tree = bound.tree or tree_from_outputs(out, bound.arrays, p)
+        if tree.scores is out[p + "tree_scores"]:   # float32 scores: a view, valid for every call
+            bound.tree = tree
+        return tree, out["logits"], out["captured"], out["input_ids"], tree.mask

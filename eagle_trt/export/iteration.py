@@ -1,0 +1,151 @@
+"""The iteration graph: the drafter-tree graph and the target graph composed into one ONNX graph,
+so one speculative iteration is one graph call (issue 22).
+
+In the two-graph loop the host sits between the calls: it reads the drafter's tree, builds the
+verification inputs (root, tokens, positions, mask) and binds them for the target. Here a few
+glue nodes do that inside the graph, and the target's greedy acceptance follows as before:
+
+    drafter tree graph (names prefixed "drafter.")  ->  glue  ->  target graph (names as exported)
+
+iteration:  drafter.captured [B,Tp,A*Ht], drafter.input_ids [B,Tp] i64, drafter.past_key,
+            drafter.past_value [B,Hkv,Pd,D], drafter.past_lengths [B] i64, drafter.new_lengths [B] i64
+            (the drafter tree graph's inputs: the committed rows it has not encoded, the last
+            valid one the root), past_lengths [B] i64 (the target's committed rows),
+            past_key_{i}, past_value_{i} [B,Hkv,P,D]
+        ->  drafter.tree_tokens, drafter.tree_parents, drafter.tree_mask, drafter.tree_depths,
+            drafter.tree_scores, drafter.new_key, drafter.new_value (the drafter graph's outputs),
+            input_ids [B,1+N] (root, then the tree's tokens), logits [B,1+N,V], captured [B,1+N,A*H],
+            accept_path, accept_length, accept_tokens, new_key_{i}, new_value_{i} (the target's)
+
+glue: root = drafter.input_ids[b, new_lengths[b] - 1]; input_ids = [root, tree_tokens];
+position_ids = past_lengths + tree_depths; attention_mask = [row < past_lengths for each of the P
+past rows, tree_mask]; logits_index = 0..N (every row). The two graphs are composed as they are
+on disk, so each keeps its own precision (the int8 drafter ONNX Runtime serves, FP8 Q/DQ ...)."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph_files import install_graph, save_graph
+from .onnx_export import ExportedGraph
+from .opcheck import check_graph
+
+PREFIX = "drafter."
+TARGET_FED = ("input_ids", "position_ids", "attention_mask", "logits_index")   # made by the glue
+GLUE = "iteration_glue/"
+
+
+class IterationGraphError(ValueError):
+    pass
+
+
+def _io(graph: onnx.GraphProto) -> tuple[dict, dict]:
+    return {i.name: i for i in graph.input}, {o.name: o for o in graph.output}
+
+
+def _static_dim(value: onnx.ValueInfoProto, axis: int, source: str) -> int:
+    dim = value.type.tensor_type.shape.dim[axis]
+    if not dim.HasField("dim_value"):
+        raise IterationGraphError(f"{source}: output {value.name!r} axis {axis} is not a fixed size; the tree's "
+                                  f"node count must be (re-export the drafter graph with this eagle_trt)")
+    return dim.dim_value
+
+
+def _glue_nodes(nodes: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The verification inputs from the drafter's tree and the committed lengths (docstring)."""
+    g, d = GLUE, PREFIX
+    consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), g + name) for name, v in
+              (("one", 1), ("zero", 0), ("axis1", [1]), ("axes12", [1, 2]), ("two", 2),
+               ("rows", [1, nodes + 1, 1]), ("logits_index", list(range(nodes + 1))))]
+    n = helper.make_node
+    return [
+        n("Sub", [d + "new_lengths", g + "one"], [g + "last"]),
+        n("Unsqueeze", [g + "last", g + "axis1"], [g + "last_col"]),
+        n("GatherElements", [d + "input_ids", g + "last_col"], [g + "root"], axis=1),
+        n("Concat", [g + "root", d + "tree_tokens"], ["input_ids"], axis=1),
+        n("Unsqueeze", ["past_lengths", g + "axis1"], [g + "lengths_col"]),
+        n("Add", [d + "tree_depths", g + "lengths_col"], ["position_ids"]),
+        n("Shape", ["past_key_0"], [g + "past_shape"]),
+        n("Gather", [g + "past_shape", g + "two"], [g + "past_rows"], axis=0),
+        n("Range", [g + "zero", g + "past_rows", g + "one"], [g + "row_numbers"]),
+        n("Unsqueeze", ["past_lengths", g + "axes12"], [g + "lengths_b11"]),
+        n("Less", [g + "row_numbers", g + "lengths_b11"], [g + "committed_b1p"]),
+        n("Expand", [g + "committed_b1p", g + "rows"], [g + "committed"]),
+        n("Concat", [g + "committed", d + "tree_mask"], ["attention_mask"], axis=2),
+        n("Identity", [g + "logits_index"], ["logits_index"]),
+    ], consts
+
+
+def _prefix_dims(graph: onnx.GraphProto) -> None:
+    """The drafter's named axes prefixed too, but for the batch: a name is one size across a
+    graph, and the drafter's new rows are not the target's."""
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param != "batch":
+                dim.dim_param = PREFIX + dim.dim_param
+
+
+def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: str | Path) -> ExportedGraph:
+    """Write the iteration graph of a target graph and a drafter tree graph to `path`
+    (atomically, op-checked). The target's weights are copied from its files tensor by tensor
+    (never all in memory); the drafter's are small and loaded."""
+    start = time.perf_counter()
+    target_path, drafter_path, path = Path(target_path), Path(drafter_path), Path(path)
+    for p in (target_path, drafter_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: ONNX graph not found")
+    target = onnx.load(str(target_path), load_external_data=False)
+    drafter = onnx.load(str(drafter_path))
+    t_in, t_out = _io(target.graph)
+    d_in, d_out = _io(drafter.graph)
+    for name in (*TARGET_FED, "past_key_0", "logits", "captured", "accept_path"):
+        if name not in t_in and name not in t_out:
+            raise IterationGraphError(f"{target_path}: not an eagle_trt target graph with in-graph acceptance (no "
+                                      f"{name!r}); re-export it (python -m eagle_trt.build --force export)")
+    for name in ("captured", "input_ids", "new_lengths", "tree_tokens", "tree_mask", "tree_depths"):
+        if name not in d_in and name not in d_out:
+            raise IterationGraphError(f"{drafter_path}: not an eagle_trt drafter tree graph (no {name!r})")
+    if "past_lengths" in t_in:
+        raise IterationGraphError(f"{target_path}: has an input named 'past_lengths', which the glue defines")
+    widths = [int(v.type.tensor_type.shape.dim[-1].dim_value) for v in (t_out["captured"], d_in["captured"])]
+    if widths[0] != widths[1]:
+        raise IterationGraphError(f"{drafter_path}: takes captured states {widths[1]} wide, but {target_path} "
+                                  f"captures {widths[0]}: the drafter was not made for this target")
+    opsets = {}
+    for source, model in ((target_path, target), (drafter_path, drafter)):
+        for o in model.opset_import:
+            if opsets.setdefault(o.domain, o.version) != o.version:
+                raise IterationGraphError(f"{source}: opset {o.domain or 'ai.onnx'} {o.version} differs from the "
+                                          f"other graph's {opsets[o.domain]}; export both with one eagle_trt")
+    nodes = _static_dim(d_out["tree_tokens"], 1, str(drafter_path))
+    onnx.compose.add_prefix(drafter, PREFIX, inplace=True)
+    _prefix_dims(drafter.graph)
+    glue, consts = _glue_nodes(nodes)
+    graph = helper.make_graph(
+        [*drafter.graph.node, *glue, *target.graph.node], "eagle_trt_iteration",
+        [*drafter.graph.input, helper.make_tensor_value_info("past_lengths", TensorProto.INT64, ["batch"]),
+         *(i for i in target.graph.input if i.name not in TARGET_FED)],
+        [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", nodes + 1]),
+         *target.graph.output],
+        [*drafter.graph.initializer, *consts, *target.graph.initializer])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+                              ir_version=max(target.ir_version, drafter.ir_version),
+                              producer_name="eagle_trt", doc_string=__doc__.split("\n\n")[0])
+    del target, drafter
+    check_graph(model, str(path))
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
+    try:
+        written = save_graph(model, tmp / path.name, source_dir=target_path.parent)
+        ops = sorted({n.op_type for n in model.graph.node})
+        install_graph(written, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportedGraph(path, time.perf_counter() - start, ops)
