@@ -7,8 +7,9 @@ Per workload, all at temperature 0 on the same prompts and the same machine:
 - `transformers`: AutoModelForCausalLM.generate (greedy, KV cache) on the same weights, on --device;
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
 - `speculative`: the drafter-tree graph (int8 weights, as the build's Triton repository serves an
-  fp32 drafter on ONNX Runtime; the exported fp32 graph with --drafter-weights float32) plus one
-  target-graph verification per iteration;
+  fp32 drafter on ONNX Runtime; the exported fp32 graph with --drafter-weights float32) and the
+  target graph's verification, composed into one graph called once per iteration (the iteration
+  graph, export/iteration.py; --iteration-graph off calls the two in turn);
 - `torch-autoregressive` / `torch-speculative` (with --torch-row, and always on CUDA): the same
   loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
@@ -62,14 +63,17 @@ def parse_tree(text: str) -> TreeShape:
 
 
 DRAFTER_WEIGHTS = {"float32": "drafter_tree", "int8": "drafter_tree_int8"}
+ITERATION_WEIGHTS = {"float32": "iteration", "int8": "iteration_int8"}
 
 
-def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32") -> Path:
+def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32",
+                  target_graph: Path | None = None) -> Path:
     """The drafter-tree graph for `shape` with fp32 or int8 weights (quant/cpu_int8.py), one
-    folder per shape (exported once, then reused)."""
+    folder per shape (exported once, then reused); with target_graph, that drafter graph and
+    the target graph composed into the iteration graph (export/iteration.py)."""
     sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    name = DRAFTER_WEIGHTS[weights]
-    return export_pipeline(models, shape, sub, log=sys.stderr, only=(name,))[name]
+    name = (ITERATION_WEIGHTS if target_graph is not None else DRAFTER_WEIGHTS)[weights]
+    return export_pipeline(models, shape, sub, log=sys.stderr, only=(name,), target_graph=target_graph)[name]
 
 
 def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, target: OrtTarget,
@@ -148,19 +152,19 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
     torch_identical = 0
     torch_split = {"seconds": 0.0, "target_graph": 0.0, "drafter_graph": 0.0, "iterations": 0}
-    split = {"drafter_graph": 0.0, "target_graph": 0.0}
+    split = {role: 0.0 for role in ort.sessions}      # seconds inside each session's calls
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
     for i, ids in enumerate(prompts):
         hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
         rows["transformers"]["tokens"] += len(hf_tokens)
         rows["transformers"]["seconds"] += hf_s
-        sp, ar, target_s, drafter_s = ort.compare(ids, max_new_tokens, repeats)
+        sp, ar, graph_s = ort.compare(ids, max_new_tokens, repeats)
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
         calls["autoregressive"] += ar.target_calls
-        split["target_graph"] += target_s
-        split["drafter_graph"] += drafter_s
+        for role, seconds in graph_s.items():
+            split[role] += seconds
         calls["drafter"] += sp.drafter_calls
         calls["verify"] += sp.target_calls
         rows["speculative"]["tokens"] += len(sp.tokens)
@@ -189,14 +193,16 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
     absolute, conditional = depth_rates(accepts, depth)
     # Where the time goes, per call (prefill folded in, as in the tokens/s): one speculative
     # iteration costs (draft + verify + host) and must emit that many autoregressive steps' worth
-    # of tokens to break even.
+    # of tokens to break even. With an iteration graph, drafting and verification are one call
+    # an iteration (iteration_call_ms); the drafter graph then only catches up on prompts.
     ar_ms = 1e3 * rows["autoregressive"]["seconds"] / calls["autoregressive"]
     draft_ms = 1e3 * split["drafter_graph"] / calls["drafter"]
     verify_ms = 1e3 * split["target_graph"] / calls["verify"]
+    one_call_ms = 1e3 * split.get("iteration_graph", 0.0) / calls["drafter"]
     host_ms = 1e3 * (spec_s - sum(split.values())) / calls["drafter"]
-    iteration_ms = draft_ms + verify_ms + host_ms
+    iteration_ms = draft_ms + verify_ms + one_call_ms + host_ms
     cost = {"autoregressive_step_ms": ar_ms, "draft_call_ms": draft_ms, "verify_call_ms": verify_ms,
-            "host_ms_per_iteration": host_ms, "iteration_ms": iteration_ms,
+            "iteration_call_ms": one_call_ms, "host_ms_per_iteration": host_ms, "iteration_ms": iteration_ms,
             "break_even_accept_length": iteration_ms / ar_ms, "accept_length_for_1.8x": 1.8 * iteration_ms / ar_ms}
     return {"workload": name, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "modes": rows, "mean_accept_length": sum(accepts) / max(len(accepts), 1),
@@ -216,7 +222,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
 
 def format_table(results: list[dict]) -> str:
     head = (f"{'workload':<10}{'ctx':>6}{'HF tok/s':>10}{'AR tok/s':>10}{'spec tok/s':>11}{'accept':>8}"
-            f"{'vs AR':>7}{'vs HF':>7}{'drafter':>9}{'target':>8}{'host':>7}{'same':>7}")
+            f"{'vs AR':>7}{'vs HF':>7}{'drafter':>9}{'target':>8}{'1 call':>8}{'host':>7}{'same':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         m, s = r["modes"], r["time_split"]
@@ -224,14 +230,16 @@ def format_table(results: list[dict]) -> str:
                      f"{m['autoregressive']['tokens_per_second']:>10.1f}{m['speculative']['tokens_per_second']:>11.1f}"
                      f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
                      f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
+                     f"{s.get('iteration_graph', 0.0):>8.1%}"
                      f"{s['host']:>7.1%}{r['identical_outputs']:>4}/{r['prompts']:<2}")
-    head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'host':>7}{'iteration':>11}"
+    head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'1 call':>8}{'host':>7}{'iteration':>11}"
             f"{'break-even':>12}{'for 1.8x':>10}{'measured':>10}")
-    lines += ["", "where the time goes (ms per call; accept lengths an iteration must reach):", head, "-" * len(head)]
+    lines += ["", "where the time goes (ms per call; '1 call': drafting and verification in the iteration graph, "
+              "per iteration; accept lengths an iteration must reach):", head, "-" * len(head)]
     for r in results:
         c = r["cost"]
         lines.append(f"{r['workload']:<10}{c['autoregressive_step_ms']:>9.1f}{c['draft_call_ms']:>8.1f}"
-                     f"{c['verify_call_ms']:>8.1f}{c['host_ms_per_iteration']:>7.2f}"
+                     f"{c['verify_call_ms']:>8.1f}{c['iteration_call_ms']:>8.1f}{c['host_ms_per_iteration']:>7.2f}"
                      f"{c['iteration_ms']:>11.1f}"
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
@@ -305,6 +313,11 @@ def main(argv=None) -> int:
                         "repository serves: per-channel int8 MatMul weights, a quarter of the bytes a memory-bound "
                         "drafter call streams; the output stays the target's) or float32 (the exported graph)")
     add_device_options(p)
+    p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
+                   help="speculative decoding with drafting and verification in one graph call (the target and "
+                        "drafter graphs composed: export/iteration.py; the default), or the two graphs called in "
+                        "turn (off; always so with node trim, which picks the nodes between the calls). The tree "
+                        "sweep runs the two graphs")
     p.add_argument("--torch-row", action="store_true",
                    help="also time the PyTorch backend on --device (always done when the device is CUDA)")
     p.add_argument("--concurrency", default="", help="comma-separated stream counts (e.g. 1,2,4,8): batched and "
@@ -357,9 +370,11 @@ def main(argv=None) -> int:
                                  args.drafter_weights, args.repeats)
     shape, trim = (TreeShape(*tree_sweep[0]["tree"]), tree_sweep[0]["node_trim"]) if tree_sweep else candidates[0]
     eos = models.eos_ids
+    one_call = args.iteration_graph == "on" and not trim
     ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
                            models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
-                           threads, target=target, trim=trim)
+                           threads, target=target, trim=trim, iteration_graph=drafter_graph(
+                               models, shape, folder, args.drafter_weights, target_graph) if one_call else None)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
@@ -384,14 +399,15 @@ def main(argv=None) -> int:
                                              repeats=args.concurrency_repeats, plain_target=ort.plain)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
-              "drafter_weights": args.drafter_weights,
+              "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
               "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
               "max_new_tokens": args.max_new_tokens,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights), tree {tuple(report['tree'])}"
+    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
+          f"{', one call an iteration' if ort.iteration is not None else ''}), tree {tuple(report['tree'])}"
           f"{', nodes trimmed' if trim else ''}, "
           f"{args.max_new_tokens} new tokens, "
           f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")

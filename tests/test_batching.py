@@ -4,8 +4,10 @@ with mixed prompt lengths, per-sequence max_new_tokens and EOS, joins and leaves
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 
+import onnx
 import pytest
 import torch
 from conftest import frozen_trim
@@ -17,7 +19,8 @@ from eagle_trt.runtime.backend import TargetBackend, TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.export.iteration import IterationGraphError, compose_iteration
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
@@ -252,24 +255,39 @@ def _backends(setup, backend):
     return OrtTarget(graphs["target"], target.config.max_position_embeddings), OrtDrafter(graphs["drafter_tree"], SHAPE)
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_batched_sequences_equal_their_batch_one_runs(setup, backend):
+@pytest.fixture(scope="module")
+def iteration_graph(setup):
+    """The setup's two graphs composed into one (export/iteration.py)."""
+    _, _, graphs, _ = setup
+    return compose_iteration(graphs["target"], graphs["drafter_tree"], graphs["target"].parent / "iteration.onnx").path
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime", "iteration"])
+def test_batched_sequences_equal_their_batch_one_runs(setup, backend, request):
+    """iteration: ONNX Runtime with drafting and verification in one graph call (OrtIteration)."""
     target_model, _, _, prompts = setup
-    target, drafter = _backends(setup, backend)
+    target, drafter = _backends(setup, "torch" if backend == "torch" else "onnxruntime")
+    iteration = None
+    if backend == "iteration":
+        iteration = OrtIteration(request.getfixturevalue("iteration_graph"), target, drafter)
+    decoder_of = functools.partial(SpeculativeDecoder, target, drafter, iteration=iteration)
     limits = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
     # An EOS id that greedy decoding of some prompts produces: those sequences stop early, alone.
     references = [generate_autoregressive(TorchTarget(target_model.model), p, n, []).tokens
                   for p, n in zip(prompts, limits)]
     eos = {references[1][10]}
-    solo = [SpeculativeDecoder(target, drafter, eos).generate(p, n).tokens for p, n in zip(prompts, limits)]
+    solo = [decoder_of(eos).generate(p, n).tokens for p, n in zip(prompts, limits)]
     assert any(len(s) < n for s, n in zip(solo, limits)), "no sequence hit EOS: the check would be vacuous"
     for s, ref in zip(solo, references):
         assert s == ref[:len(s)]
     for batch in (1, 3, 8):
-        decoder = SpeculativeDecoder(target, drafter, eos)
+        calls = iteration.graph_calls if iteration is not None else 0
+        decoder = decoder_of(eos)
         results = decoder.generate_batch([Request(p, n) for p, n in zip(prompts, limits)], max_batch=batch)
         assert [r.tokens for r in results] == solo, f"batch {batch} differs from batch 1"
         assert not decoder.active and decoder.target.batch == 0    # every slot freed
+        if iteration is not None:   # each iteration one call (catching up on a prompt: the drafter's own)
+            assert iteration.graph_calls - calls == len(decoder.verified) > 0
     plain = SpeculativeDecoder(target, None, eos).generate_batch([Request(p, n) for p, n in zip(prompts, limits)], 8)
     assert [r.tokens for r in plain] == solo
 
@@ -399,3 +417,77 @@ def test_sampled_sequences_in_a_batch_follow_their_own_seeds(setup):
     batched = SpeculativeDecoder(target, drafter, []).generate_batch(
         [Request(r.prompt_ids, 24, r.sampling) for r in requests], max_batch=4)
     assert [r.tokens for r in batched] == solo
+
+
+def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_graph):
+    """One call of the iteration graph against a drafter call and a verification call from the
+    same state, over sequences of different lengths: the same trees, logits, captured states,
+    acceptance and KV rows, both caches."""
+    target_model, _, graphs, prompts = setup
+    pairs = [_backends(setup, "onnxruntime") for _ in range(2)]
+    iteration = OrtIteration(iteration_graph, *pairs[1])
+    states = torch.randn(3, 3, pairs[0][1].captured_width, generator=torch.Generator().manual_seed(0))
+    ids, new_lengths = [[5, 6, 7], [8, 9, 0], [10, 0, 0]], [3, 2, 1]
+    for target, drafter in pairs:
+        target.reset()
+        drafter.reset()
+        for p in prompts[:3]:
+            slot = target.add_sequence()
+            target.forward(torch.tensor([p]), torch.arange(len(p))[None], torch.ones(len(p), len(p)).tril().bool()[None],
+                           range(slot, slot + 1), last_only=True)
+            target.commit([list(range(len(p)))])
+            drafter.add_sequence()
+        drafter.draft(states[:, :1], [[4], [4], [4]])        # a drafter past of one row each
+    target, drafter = pairs[0]
+    tree = drafter.draft(states, ids, new_lengths)
+    want = target.verify([7, 9, 10], tree)                   # the roots: each sequence's last valid id
+    want_accept = [torch.as_tensor(t).clone() for t in target.accept_greedy(want[0], want[2], want[3])]
+    got_tree, *got = iteration.run(states, ids, new_lengths)
+    for name in ("tokens", "parents", "mask", "depths", "scores"):
+        assert torch.equal(getattr(got_tree, name), getattr(tree, name)), name
+    for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
+        assert torch.equal(a, b), name
+    got_accept = pairs[1][0].accept_greedy(got[0], got[2], got[3])
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(got_accept, want_accept))
+    rows = [[0, 1], [0], [0, 2]]
+    for target, _ in pairs:
+        target.commit(rows)
+    (t0, d0), (t1, d1) = pairs
+    assert t0.lengths == t1.lengths and d0.lengths == d1.lengths == [4, 3, 2]
+    for a, b in ((t0.cache, t1.cache), (d0.cache, d1.cache)):
+        n = max(a.lengths)
+        assert torch.equal(a.kv[:, :, :3, :, :n], b.kv[:, :, :3, :, :n])
+
+
+def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(setup, iteration_graph, tmp_path):
+    """Sampled sequences (own settings and seeds) inside a batch: the same tokens in one call per
+    iteration as in two. A decoder refuses an iteration graph with a cost model or a trim (it
+    verifies every node) or over other backends; composing refuses a drafter made for another
+    target; a two-graph file is not an iteration graph."""
+    _, _, graphs, prompts = setup
+    target, drafter = _backends(setup, "onnxruntime")
+    iteration = OrtIteration(iteration_graph, target, drafter)
+    configs = [SamplingConfig(1.0, seed=1), SamplingConfig(0.7, top_p=0.9, seed=2), SamplingConfig(),
+               SamplingConfig(1.2, top_k=5, seed=3)]
+    outputs = []
+    for it in (None, iteration):
+        decoder = SpeculativeDecoder(target, drafter, [], iteration=it)
+        outputs.append([r.tokens for r in decoder.generate_batch([Request(p, 24, c) for p, c in zip(prompts, configs)],
+                                                                  max_batch=4)])
+    assert outputs[0] == outputs[1] and iteration.graph_calls > 0
+    with pytest.raises(ConfigError, match="no cost model or node trim"):
+        SpeculativeDecoder(target, drafter, [], cost_model=CostModel(4, 6), iteration=iteration)
+    with pytest.raises(ConfigError, match="must be the decoder's"):
+        SpeculativeDecoder(*_backends(setup, "onnxruntime"), [], iteration=iteration)
+    with pytest.raises(ValueError, match="not an iteration graph"):
+        OrtIteration(graphs["target"], target, drafter)
+    model = onnx.load(str(graphs["drafter_tree"]))
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_value += 1     # captured states one wider
+    other = tmp_path / "other_drafter.onnx"
+    onnx.save(model, str(other))
+    out = tmp_path / "iteration.onnx"
+    with pytest.raises(IterationGraphError, match=f"{other}.*captured states .* wide"):
+        compose_iteration(graphs["target"], other, out)
+    with pytest.raises(IterationGraphError, match="not an eagle_trt drafter tree graph"):
+        compose_iteration(graphs["target"], graphs["target"], out)
+    assert not out.exists() and not list(tmp_path.glob(".iteration*"))   # nothing half-written

@@ -61,3 +61,53 @@ def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target
     export_pipeline(retrained, SHAPE, tmp_path, log=None, only=("drafter_tree_int8",))
     assert paths["drafter_tree_int8"].stat().st_mtime_ns != stamps["drafter_tree_int8"]
     assert paths["target"].stat().st_mtime_ns == stamps["target"]
+
+
+def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_target, tmp_path, monkeypatch):
+    """export_pipeline's `iteration_int8`: the int8 drafter graph composed with a target graph
+    from another folder (as bench keeps them), whose weights lie in a data file (copied tensor by
+    tensor into the iteration graph's own). Decoding with one call an iteration equals the
+    target's own greedy output. The graph is kept while its inputs are current, and composed
+    again when the drafter is retrained or the target graph is exported anew."""
+    from eagle_trt.export import export_target
+    from eagle_trt.export.graph_files import graph_files
+    from eagle_trt.runtime.onnxruntime_backend import OrtIteration
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")          # every graph with a data file
+    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    models = Models(tiny_target, drafter, "drafters/mine", None)
+    target_graph = export_pipeline(models, SHAPE, tmp_path / "target", log=None, only=("target",))["target"]
+    trees = tmp_path / "trees"
+    paths = export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
+    assert set(paths) == {"drafter_tree", "drafter_tree_int8", "iteration_int8"}    # no second target graph
+    graph = paths["iteration_int8"]
+    assert graph_files(graph) == [graph, graph.with_name("iteration_int8.onnx.data")]
+    ops = [n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node]
+    assert "MatMulInteger" in ops and "GatherElements" in ops                     # int8 drafter, glue
+
+    target = OrtTarget(target_graph, tiny_target.config.max_position_embeddings)
+    ort_int8 = OrtDrafter(paths["drafter_tree_int8"], SHAPE)
+    iteration = OrtIteration(graph, target, ort_int8)
+    accepted = []
+    for seed in range(3):
+        prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate_autoregressive(TorchTarget(tiny_target.model), prompt, 30, [])
+        out = SpeculativeDecoder(target, ort_int8, [], iteration=iteration).generate(prompt, 30)
+        assert out.tokens == ref.tokens
+        accepted += out.accept_lengths
+    assert max(accepted) >= 2 and iteration.graph_calls > 0
+
+    def stamp():
+        return graph.stat().st_mtime_ns
+    before = stamp()
+    export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
+    assert stamp() == before                                                        # current: kept
+    export_target(tiny_target.model, target_graph)                                  # the target graph anew
+    export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
+    assert stamp() != before
+    before = stamp()
+    retrained = Models(tiny_target, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
+                       "drafters/mine", None)
+    export_pipeline(retrained, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
+    assert stamp() != before

@@ -13,6 +13,7 @@ import onnx
 import torch
 
 from ..config import TreeShape
+from .iteration import compose_iteration
 from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
 from .opcheck import UnsupportedGraph, check_graph
 
@@ -39,13 +40,14 @@ def weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _files_stamp(folder: Path) -> list:
-    """Name, size and modification time of each file in a checkpoint folder (hashing a large
-    target's weights on every run would cost seconds per GB)."""
+def _files_stamp(folder: Path, name: str | None = None) -> list:
+    """Name, size and modification time of each file in a checkpoint folder, or of the one
+    named (hashing a large target's weights on every run would cost seconds per GB)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir())
+            if f.is_file() and name in (None, f.name)]
 
 
 def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
@@ -57,11 +59,18 @@ def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
     return ExportedGraph(dst, time.perf_counter() - start, sorted({n.op_type for n in model.graph.node}))
 
 
+# the iteration graphs and the drafter tree graph each composes with the target graph
+ITERATION_GRAPHS = {"iteration": "drafter_tree", "iteration_int8": "drafter_tree_int8"}
+
+
 def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float32", step_graphs: bool = False,
-                    log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None) -> dict[str, Path]:
+                    log: TextIO | None = sys.stderr, only: tuple[str, ...] | None = None,
+                    target_graph: Path | None = None) -> dict[str, Path]:
     """Export target (with greedy acceptance) + drafter-tree graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
-    may name `drafter_tree_int8` (the tree graph with int8 weights, made only when asked for).
+    may name `drafter_tree_int8` (the tree graph with int8 weights) and `iteration` /
+    `iteration_int8` (target and drafter tree graph composed into one, export/iteration.py;
+    with the target graph at `target_graph` where given, else out_dir's), made only when asked for.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
     another tree shape re-exports only the drafter graph. Returns name -> path."""
     out_dir = Path(out_dir)
@@ -75,11 +84,19 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     jobs = {"target": (base, lambda p: export_target(models.target.model, p, dtype)),
             "drafter_tree": (dict(drafter_key, shape=[shape.depth, shape.top_k, shape.total_tokens]),
                              lambda p: export_drafter_tree(models.drafter, shape, p, dtype))}
+    iterations = [(n, d) for n, d in ITERATION_GRAPHS.items() if only is not None and n in only]
+    for name, drafter in iterations:     # asked for only: the two graphs composed (export/iteration.py)
+        only = (*only, drafter) + (("target",) if target_graph is None else ())
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (quant/cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8"),
                                      lambda p: _quantized_int8(out_dir / "drafter_tree.onnx", p))
         only = (*only, "drafter_tree")     # quantized from it
+    target_path = Path(target_graph) if target_graph is not None else out_dir / "target.onnx"
+    for name, drafter in iterations:
+        jobs[name] = (dict(jobs[drafter][0], composed_with=str(target_path)),
+                      lambda p, d=drafter: compose_iteration(target_path, out_dir / f"{d}.onnx", p,
+                                                             tensorrt=d == "drafter_tree"))
     if step_graphs:
         jobs["drafter_step_first"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, True, dtype))
         jobs["drafter_step"] = (drafter_key, lambda p: export_drafter_step(models.drafter, p, False, dtype))
@@ -89,6 +106,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
             continue
         path = out_dir / f"{name}.onnx"
         paths[name] = path
+        if name in ITERATION_GRAPHS:   # made from the target graph on disk: remade when it is
+            key = dict(key, target_file=_files_stamp(target_path.parent, target_path.name))
         if previous.get(name) == key and path.is_file():
             continue
         result = job(path)

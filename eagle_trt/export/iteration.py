@@ -91,10 +91,12 @@ def _prefix_dims(graph: onnx.GraphProto) -> None:
                 dim.dim_param = PREFIX + dim.dim_param
 
 
-def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: str | Path) -> ExportedGraph:
+def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: str | Path,
+                      tensorrt: bool = True) -> ExportedGraph:
     """Write the iteration graph of a target graph and a drafter tree graph to `path`
-    (atomically, op-checked). The target's weights are copied from its files tensor by tensor
-    (never all in memory); the drafter's are small and loaded."""
+    (atomically; checked against TensorRT's parser op set unless `tensorrt` is False: the int8
+    drafter graphs are ONNX Runtime's alone). The target's weights are copied from its files
+    tensor by tensor (never all in memory); the drafter's are small and loaded."""
     start = time.perf_counter()
     target_path, drafter_path, path = Path(target_path), Path(drafter_path), Path(path)
     for p in (target_path, drafter_path):
@@ -138,13 +140,15 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
                               ir_version=max(target.ir_version, drafter.ir_version),
                               producer_name="eagle_trt", doc_string=__doc__.split("\n\n")[0])
     del target, drafter
-    check_graph(model, str(path))
-    onnx.checker.check_model(model)
+    if tensorrt:
+        check_graph(model, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
         written = save_graph(model, tmp / path.name, source_dir=target_path.parent)
         ops = sorted({n.op_type for n in model.graph.node})
+        del model
+        onnx.checker.check_model(str(written[0]))     # by path: its weights where they were written
         install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

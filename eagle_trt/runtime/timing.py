@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import TreeShape
+from ..config import ConfigError, TreeShape
 from .cost import NodeTrim
 from .decoder import GenerationResult, SpeculativeDecoder, generate_autoregressive
-from .onnxruntime_backend import OrtDrafter, OrtTarget
+from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 
 HOST_THREADS = 1
 
@@ -95,11 +95,11 @@ def decoding_threads():
 
 
 class Compared(NamedTuple):
-    """One prompt in both modes: each mode's fastest run, and where that speculative run's graph time went."""
+    """One prompt in both modes: each mode's fastest run, and where that speculative run's graph
+    time went: seconds inside each session's calls, by role (OrtDecoding.sessions)."""
     speculative: GenerationResult
     autoregressive: GenerationResult
-    target_graph_seconds: float
-    drafter_graph_seconds: float
+    graph_seconds: dict[str, float]
 
 
 @dataclass
@@ -110,17 +110,32 @@ class OrtDecoding:
     plain: OrtTarget           # the baseline's own session of the same target graph, spinning
     decoder: SpeculativeDecoder
     eos: set[int]
+    iteration: OrtIteration | None = None   # drafting + verification in one call, where given a graph
 
     @classmethod
     def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
              eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
-             trim: bool = False) -> OrtDecoding:
+             trim: bool = False, iteration_graph: str | Path | None = None) -> OrtDecoding:
+        """iteration_graph: the two graphs composed into one (export/iteration.py): each
+        speculative iteration is then one call of it (the drafter graph still catches up on
+        prompts); it verifies every node, so it takes no trim."""
+        if trim and iteration_graph is not None:
+            raise ConfigError("node trim picks the nodes to verify after drafting: it needs the two graph calls, "
+                              "not an iteration graph")
         threads = ort_threads(threads)
         target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
         plain = OrtTarget(target_graph, max_context, threads, spin="always")
-        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size, trim=NodeTrim() if trim else None)
-        return cls(target, drafter, plain, decoder, eos)
+        iteration = OrtIteration(iteration_graph, target, drafter, threads) if iteration_graph is not None else None
+        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size, trim=NodeTrim() if trim else None,
+                                     iteration=iteration)
+        return cls(target, drafter, plain, decoder, eos, iteration)
+
+    @property
+    def sessions(self) -> dict[str, OrtTarget | OrtDrafter | OrtIteration]:
+        """The speculative loop's sessions by role (the keys of Compared.graph_seconds)."""
+        roles = {"target_graph": self.target, "drafter_graph": self.drafter, "iteration_graph": self.iteration}
+        return {role: s for role, s in roles.items() if s is not None}
 
     def warm_up(self, ids: list[int], tokens: int = 8) -> None:
         with decoding_threads():
@@ -140,13 +155,13 @@ class OrtDecoding:
         best: dict[str, tuple] = {}
         for r in range(repeats):
             for mode in (("autoregressive", "speculative") if r % 2 == 0 else ("speculative", "autoregressive")):
-                graph = (self.target.graph_seconds, self.drafter.graph_seconds)
+                before = {role: s.graph_seconds for role, s in self.sessions.items()}
                 run = getattr(self, mode)(ids, max_new_tokens)
-                split = (self.target.graph_seconds - graph[0], self.drafter.graph_seconds - graph[1])
+                split = {role: s.graph_seconds - before[role] for role, s in self.sessions.items()}
                 if mode not in best or run.seconds < best[mode][0].seconds:
-                    best[mode] = (run, *split)
-        spec, target_s, drafter_s = best["speculative"]
-        return Compared(spec, best["autoregressive"][0], target_s, drafter_s)
+                    best[mode] = (run, split)
+        spec, split = best["speculative"]
+        return Compared(spec, best["autoregressive"][0], split)
 
 
 __all__ = ["HOST_THREADS", "Compared", "OrtDecoding", "decoding_threads", "graph_seconds", "ort_threads", "synced_graph_seconds"]
