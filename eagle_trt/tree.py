@@ -12,6 +12,8 @@ nodes (one copy to commit its KV rows).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,8 +39,10 @@ class DraftTree:
     # ONNX Runtime drafter's output buffers): `host_arrays` uses them while those are the fields
     arrays: tuple | None = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
+        """Draft nodes per tree (kept: a backend hands out one tree call after call, and a
+        tensor's shape costs 5-20 us to read right after a graph call)."""
         return int(self.tokens.shape[-1])
 
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

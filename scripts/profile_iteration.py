@@ -4,6 +4,7 @@ continuously batched with the cost model (`bench --concurrency`'s speculative-ba
 after the same warm-up on held-out prompts).
 
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
+                                        [--iteration-graph]   (batch 1: one call an iteration)
     python scripts/profile_iteration.py --streams 8 --prompts 16 [--runs 3]
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
@@ -28,7 +29,7 @@ from eagle_trt.runtime.backend import DrafterBackend
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.decoder import Request, Sequence, SpeculativeDecoder
 from eagle_trt.runtime.kv_cache import KVCache
-from eagle_trt.runtime.onnxruntime_backend import OrtTarget
+from eagle_trt.runtime.onnxruntime_backend import OrtIteration, OrtTarget
 from eagle_trt.runtime.timing import OrtDecoding, decoding_threads, graph_seconds
 
 
@@ -36,7 +37,7 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
         streams: int = 1) -> tuple[float, float, int]:
     """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the
     prompts: one at a time, or `streams` at a time through `batched`."""
-    graph0 = graph_seconds(ort.target, ort.drafter)
+    graph0 = graph_seconds(*ort.sessions.values())
     start, iterations = time.perf_counter(), 0
     if batched is not None:
         batched.verified.clear()
@@ -47,7 +48,7 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
         for ids in prompts:
             iterations += ort.speculative(ids, max_new_tokens).drafter_calls
     wall = time.perf_counter() - start
-    return wall, graph_seconds(ort.target, ort.drafter) - graph0, iterations
+    return wall, graph_seconds(*ort.sessions.values()) - graph0, iterations
 
 
 # (class, method, label): the loop's steps whose host time (wall minus graph time inside) is
@@ -55,6 +56,7 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
 PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
           (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
           (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV commit"),
+          (OrtIteration, "run", "    both in one call (iteration graph): stage, bind, outputs, drafter KV commit"),
           (OrtTarget, "verify", "  verification (acceptance in the graph): inputs, bind, outputs"),
           (KVCache, "commit", "  KV commits: accepted rows copied into place (the drafter's inside drafting)"),
           (Sequence, "extend", "  streaming and stop checks"),
@@ -69,11 +71,11 @@ def phase_timers(ort: OrtDecoding):
 
     def timed(method, label):
         def call(*args, **kwargs):
-            start, graph = time.perf_counter(), graph_seconds(ort.target, ort.drafter)
+            start, graph = time.perf_counter(), graph_seconds(*ort.sessions.values())
             try:
                 return method(*args, **kwargs)
             finally:
-                spent[label] += time.perf_counter() - start - (graph_seconds(ort.target, ort.drafter) - graph)
+                spent[label] += time.perf_counter() - start - (graph_seconds(*ort.sessions.values()) - graph)
         return call
     for cls, name, label in PHASES:
         setattr(cls, name, timed(cls.__dict__[name], label))
@@ -94,18 +96,23 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per session")
     p.add_argument("--streams", type=int, default=1, help="sequences decoded at a time (> 1: batched, with the cost model)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--iteration-graph", action="store_true", help="drafting and verification in one graph call "
+                   "(export/iteration.py; batch 1: the batched loop's cost model needs the two calls)")
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
                    "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    graphs = export_pipeline(models, shape, folder, log=sys.stderr, only=("target", "drafter_tree"))
+    if args.iteration_graph and args.streams > 1:
+        p.error("--iteration-graph runs at batch 1 (the batched loop's cost model needs the two graph calls)")
+    graphs = export_pipeline(models, shape, folder, log=sys.stderr,
+                             only=("target", "drafter_tree") + (("iteration",) if args.iteration_graph else ()))
     held_out = 2 * args.streams if args.streams > 1 else 1
     prompts = real_prompt_ids(models, args.prompts + held_out)
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
-                           models.target.config.vocab_size, threads=args.threads)
+                           models.target.config.vocab_size, threads=args.threads, iteration_graph=graphs.get("iteration"))
     ort.warm_up(prompts[0])
     batched = None
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
                                      CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
     measured = prompts[held_out:]
-    made = [(b.made, b.rebound) for b in (ort.target.bindings, ort.drafter.bindings)]
+    sessions = ort.sessions
+    made = [(b.made, b.rebound) for b in (s.bindings for s in sessions.values())]
     counted = 0
     for k in range(args.runs):
         wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
@@ -124,9 +132,9 @@ def main(argv=None) -> int:
               f"{iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which graph calls "
               f"{1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms", flush=True)
         counted += iterations
-    made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((ort.target.bindings, ort.drafter.bindings), made)]
-    print("ONNX Runtime bindings per iteration (made new / past bound again): target "
-          + ", drafter ".join(f"{m / counted:.2f} / {r / counted:.2f}" for m, r in made))
+    made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((s.bindings for s in sessions.values()), made)]
+    print("ONNX Runtime bindings per iteration (made new / past bound again): " + ", ".join(
+        f"{role.removesuffix('_graph')} {m / counted:.2f} / {r / counted:.2f}" for role, (m, r) in zip(sessions, made)))
     with phase_timers(ort) as spent:
         run(ort, measured, args.max_new_tokens, batched, args.streams)
     print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")

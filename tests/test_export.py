@@ -207,7 +207,7 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     logits, captured = ort_target.forward(*step)
     want, want_captured = ref.forward(*step)
     assert ort_target.bindings.entries[(0, 1, 1, 1)] is step_entry   # kept; its past bound to the new layout
-    assert step_entry.layout[0] == 128 and (logits.data_ptr(), captured.data_ptr()) in addresses
+    assert step_entry.layout[0][0] == 128 and (logits.data_ptr(), captured.data_ptr()) in addresses   # (width, id) per cache
     assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
     # A second sequence's prefill binds no past, not the 128 masked rows the first one grew.
     for backend in (ort_target, ref):
@@ -217,7 +217,7 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     prefill = (ids[:, :7], torch.arange(7)[None], torch.ones(1, 7, 7).tril().bool(), range(1, 2))
     logits, captured = ort_target.forward(*prefill, last_only=True)
     want, want_captured = ref.forward(*prefill, last_only=True)
-    assert ort_target.bindings.entries[(1, 2, 7, 1)].layout[0] == 0
+    assert ort_target.bindings.entries[(1, 2, 7, 1)].layout[0][0] == 0
     assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
 
 

@@ -193,10 +193,12 @@ class Bindings:
             self.made += 1
         if entry.layout != layout:      # a new entry, or a cache re-laid out since its last call
             self.rebound += 1
-            for (cache, _, width), names in zip(caches, self.kv_names):
-                for i, (past_k, past_v, _, _) in enumerate(names):
-                    bind_past(entry.io, cache, slots, width, i, (past_k, past_v))
-            if self.make_width_buffers is not None:
+            old = entry.layout or (None,) * len(caches)
+            for (cache, _, width), names, now, was in zip(caches, self.kv_names, layout, old):
+                if now != was:          # only the caches that moved: the target's 2L pasts stay bound
+                    for i, (past_k, past_v, _, _) in enumerate(names):   # when the drafter's grows
+                        bind_past(entry.io, cache, slots, width, i, (past_k, past_v))
+            if self.make_width_buffers is not None and layout[0] != old[0]:
                 _, T, width = caches[0]
                 self.make_width_buffers(entry, len(slots), T, width)
             entry.layout = layout
@@ -413,8 +415,8 @@ class OrtIteration(_Timed):
 
     def _buffers(self, bound: Bound, b: int, T: int, Tp: int) -> None:
         t, d, p = self.target, self.drafter, self.prefix
-        bound.buffer(p + "captured", d.captured_dtype, [b, Tp, d.captured_width], output=False)
-        bound.buffer(p + "input_ids", torch.int64, [b, Tp], output=False)
+        bound.buffer(p + "captured", d.captured_dtype, [b, Tp, d.captured_width], output=False).zero_()
+        bound.buffer(p + "input_ids", torch.int64, [b, Tp], output=False).zero_()   # padding: valid ids
         for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
             bound.buffer(name, torch.int64, [b], output=False)
         for name, (dtype, shape) in self.tree_outputs.items():
@@ -430,12 +432,18 @@ class OrtIteration(_Timed):
         each sequence's root (its last valid input id) and whole tree, in one call. Returns the
         trees and what verify returns: logits, captured, input ids and the tree mask."""
         t, d, p = self.target, self.drafter, self.prefix
+        # at least depth + 1 drafter rows (what one iteration accepts at most; the rest padding):
+        # one binding per batch size instead of one per accept length, so a re-layout of the
+        # target's cache rebinds its 2L pasts once, not once per length
         Tp, T = int(captured.shape[1]), 1 + self.nodes
-        slots, drafted, d_width = d._stage(slots, Tp)
+        rows = max(Tp, d.shape.depth + 1)
+        slots, drafted, d_width = d._stage(slots, rows)
         slots, committed, t_width = t._stage(slots, T)
-        bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, Tp, d_width)])
-        bound.feed(**{p + "captured": captured, p + "input_ids": input_ids, p + "past_lengths": drafted,
-                      p + "new_lengths": new_lengths, "past_lengths": committed})
+        bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
+        a = bound.arrays
+        a[p + "captured"][:, :Tp] = captured     # rows past Tp: an earlier call's (finite), never seen
+        a[p + "input_ids"][:, :Tp] = input_ids
+        bound.feed(**{p + "past_lengths": drafted, p + "new_lengths": new_lengths, "past_lengths": committed})
         out = bound.buffers
         t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
         self._run_graph(bound.io)
