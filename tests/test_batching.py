@@ -361,14 +361,20 @@ def test_copied_backends_decode_side_by_side_with_their_own_caches(setup):
     assert results == solo and target.cache is first
 
 
-def test_cost_model_choices_keep_outputs_identical(setup):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_cost_model_choices_keep_outputs_identical(setup, one_call, request):
     """Whatever the cost model verifies (full trees in warm-up, plain decoding, subtrees), the
-    tokens stay those of batch 1; a compute-bound cost table makes it stop drafting."""
+    tokens stay those of batch 1; a compute-bound cost table makes it stop drafting. one_call:
+    with an iteration graph, which the whole trees go through once the model is warm."""
     _, _, _, prompts = setup
     target, drafter = _backends(setup, "onnxruntime")
+    iteration = OrtIteration(request.getfixturevalue("iteration_graph"), target, drafter) if one_call else None
     solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
-    for per_row, fixed in ((0.0001, 0.03), (0.004, 0.001)):   # memory-bound (a GPU), compute-bound (a CPU)
-        model = _model(per_row=per_row, fixed=fixed, accepted=[1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
+    level = [1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]     # deeper nodes add nothing
+    rising = [1.0 + 0.2 * n for n in range(SHAPE.total_tokens + 1)]    # each node adds: whole trees win
+    # memory-bound (a GPU), compute-bound (a CPU), memory-bound with a drafter that pays to the last node
+    for per_row, fixed, accepted in ((0.0001, 0.03, level), (0.004, 0.001, level), (0.0001, 0.03, rising)):
+        model = _model(per_row=per_row, fixed=fixed, accepted=accepted)
         for batch in range(1, 5):
             model.time_iteration(batch, 0, fixed + per_row * batch)
         # keep the seeded costs and acceptance: the tiny model's real ones (and a loaded machine's
@@ -378,10 +384,15 @@ def test_cost_model_choices_keep_outputs_identical(setup):
         model.time_catch_up = lambda rows, seconds: None
         model.time_iteration = lambda batch, n, seconds: None
         model.observe = lambda ranks, verified: None
-        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model)
+        calls = iteration.graph_calls if one_call else 0
+        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model, iteration=iteration)
         results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=4)
         assert [r.tokens for r in results] == solo
-        if per_row > 0.001:
+        if one_call:     # every whole-tree step in one call, the smaller trees in two
+            assert iteration.graph_calls - calls == decoder.verified.count(SHAPE.total_tokens)
+        if accepted is rising:
+            assert decoder.verified.count(SHAPE.total_tokens) > len(decoder.verified) // 2, decoder.verified
+        elif per_row > 0.001:
             assert decoder.verified.count(0) > len(decoder.verified) // 2, decoder.verified
         else:
             assert decoder.verified.count(0) <= 3 * (len(decoder.verified) // 32 + 1), decoder.verified   # re-timing
@@ -461,8 +472,8 @@ def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_g
 
 def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(setup, iteration_graph, tmp_path):
     """Sampled sequences (own settings and seeds) inside a batch: the same tokens in one call per
-    iteration as in two. A decoder refuses an iteration graph with a cost model or a trim (it
-    verifies every node) or over other backends; composing refuses a drafter made for another
+    iteration as in two. A decoder refuses an iteration graph with a node trim (it picks the
+    nodes between the two calls) or over other backends; composing refuses a drafter made for another
     target; a two-graph file is not an iteration graph."""
     _, _, graphs, prompts = setup
     target, drafter = _backends(setup, "onnxruntime")
@@ -475,8 +486,8 @@ def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(set
         outputs.append([r.tokens for r in decoder.generate_batch([Request(p, 24, c) for p, c in zip(prompts, configs)],
                                                                   max_batch=4)])
     assert outputs[0] == outputs[1] and iteration.graph_calls > 0
-    with pytest.raises(ConfigError, match="no cost model or node trim"):
-        SpeculativeDecoder(target, drafter, [], cost_model=CostModel(4, 6), iteration=iteration)
+    with pytest.raises(ConfigError, match="takes no iteration graph"):
+        SpeculativeDecoder(target, drafter, [], trim=NodeTrim(), iteration=iteration)
     with pytest.raises(ConfigError, match="must be the decoder's"):
         SpeculativeDecoder(*_backends(setup, "onnxruntime"), [], iteration=iteration)
     with pytest.raises(ValueError, match="not an iteration graph"):

@@ -112,6 +112,9 @@ BAD = [
     ({"serving": {"drafter_weights": "int8"}, "precision": {"drafter": {"format": "fp16"}}},
      "x.yaml: serving.drafter_weights: int8 is made from an fp32 drafter graph, but precision.drafter is fp16;"),
     ({"serving": {"drafter_weights": "int4"}}, "x.yaml: serving.drafter_weights: expected one of 'auto', 'int8', 'float'"),
+    ({"serving": {"iteration_graph": "on"}, "precision": {"target": {"format": "fp8", "base": "fp32"}}},
+     "x.yaml: serving.iteration_graph: on needs float graphs, but precision.target is fp8"),
+    ({"serving": {"iteration_graph": True}}, "x.yaml: serving.iteration_graph: expected one of 'auto', 'on', 'off'"),
     ([1, 2], "x.yaml: top level: expected a mapping, got [1, 2]"),
 ]
 

@@ -114,6 +114,7 @@ def test_second_run_is_all_cached_and_rewrites_nothing(tiny, tmp_path):
 @pytest.mark.parametrize("change, reran", [
     ({"serving": {"max_tokens": 5}}, {"triton"}),
     ({"serving": {"drafter_weights": "float"}}, {"triton"}),
+    ({"precision": {"target": {"format": "fp32"}}, "serving": {"iteration_graph": "on"}}, {"parity", "triton"}),
     ({"parity": {"prompts": 2}}, {"parity"}),
     ({"calibration": {"prompts": 3}}, {"quantize", "parity", "triton"}),
     ({"tree": {"depth": 2}}, {"validate", "export", "quantize", "parity", "triton"}),
@@ -134,6 +135,9 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
         assert settings["graphs"]["drafter_tree"] == ("graphs/drafter_tree.onnx" if float_drafter
                                                       else "graphs/drafter_tree.int8.onnx")
         assert settings["precision"]["drafter_tree"] == ("float" if float_drafter else "int8")
+        # an fp32 target: the served graphs composed into one (the tiny build's FP8 target is not)
+        one_call = change.get("precision", {}).get("target", {}).get("format") == "fp32"
+        assert ("iteration" in settings["graphs"]) == one_call
 
 
 def test_device_keys_calibration_and_parity_by_the_device_it_resolves_to(tiny, tmp_path):

@@ -59,6 +59,8 @@ def offline(built, mtbench):
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
     graphs = served_graphs(m.artifact("triton"), MODEL)
     assert graphs["drafter_tree"].name == "drafter_tree.int8.onnx"     # serving.drafter_weights: auto on fp32
+    assert graphs["iteration"].name == "iteration.onnx"     # serving.iteration_graph: auto; the server's whole
+    # trees go through it, this two-call decoder's do not: the streams must still be equal
     target = OrtTarget(graphs["target"], resolved["target"]["max_context"], threads=1)
     drafter = OrtDrafter(graphs["drafter_tree"], cfg.tree.shape, threads=1)
     decoder = SpeculativeDecoder(target, drafter, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])

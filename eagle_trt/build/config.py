@@ -177,6 +177,10 @@ class ServingSection:
     # output unchanged, verification is the target's); float: the graph as built. auto: int8
     # where that graph is fp32.
     drafter_weights: Literal["auto", "int8", "float"] = "auto"
+    # Where ONNX Runtime serves: the drafter and target graphs composed into one iteration graph
+    # (export/iteration.py), one call for each iteration that verifies whole trees. auto: on
+    # unless a graph is FP8 (ONNX Runtime runs FP8 graphs with settings of their own).
+    iteration_graph: Literal["auto", "on", "off"] = "auto"
 
     def check(self, at: str, source: str) -> None:
         _positive(self, ("max_tokens", "max_concurrent"), at, source)
@@ -228,6 +232,11 @@ class BuildConfig:
                                    f"precision.drafter is {drafter.format}"
                                    + (f" with base {drafter.base}" if drafter.quantized else "")
                                    + "; use auto or float")
+        fp8 = [n for n in ("target", "drafter") if getattr(self.precision, n).format == "fp8"]
+        if self.serving.iteration_graph == "on" and fp8:
+            raise BuildConfigError(f"{source}: serving.iteration_graph: on needs float graphs, but precision."
+                                   f"{fp8[0]} is fp8 (ONNX Runtime runs FP8 graphs with settings of their own); "
+                                   f"use auto or off")
         for name in ("target", "drafter"):
             p = getattr(self.precision, name)
             if not p.quantized and p.skip != ModelPrecision.skip:

@@ -42,7 +42,8 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     graphs = served_graphs(manifest.artifact("triton"), cfg.serving.model_name) or {   # or engines: the exported graphs
         g: manifest.artifact(f"export/{g}.onnx") for g in ("target", "drafter_tree")}
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"],
-                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"])
+                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"],
+                           iteration_graph=graphs.get("iteration"))
     ort.warm_up(encode_prompt(tokenizer, WARM_UP, chat=True))
     identical, first = True, []
     for prompt in PROMPTS:
@@ -61,13 +62,15 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     spec_s = ar_s = 0.0
     accepts = []
     for ids in workload(tokenizer, "mtbench", SPEED_PROMPTS):
-        spec, ar, _, _ = ort.compare(ids, SPEED_TOKENS)    # bench's default: each mode's faster of 2 runs
+        spec, ar, _ = ort.compare(ids, SPEED_TOKENS)    # bench's default: each mode's faster of 2 runs
         identical &= spec.tokens == ar.tokens
         accepts += spec.accept_lengths
         spec_n, spec_s = spec_n + len(spec.tokens), spec_s + spec.seconds
         ar_n, ar_s = ar_n + len(ar.tokens), ar_s + ar.seconds
     sps, aps = spec_n / spec_s, ar_n / ar_s
-    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}, graph {graphs['drafter_tree'].name}); "
+    one_call = ", one call an iteration: the iteration graph" if "iteration" in graphs else ""
+    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}, graph {graphs['drafter_tree'].name}"
+          f"{one_call}); "
           f"tree depth {cfg.tree.depth}, "
           f"top_k {cfg.tree.top_k}, total_tokens {cfg.tree.total_tokens}; mean accept length {sum(accepts) / len(accepts):.2f}")
     print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run, plain decoding in its fastest setting): "

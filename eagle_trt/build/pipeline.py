@@ -334,6 +334,14 @@ class Build:
         weights = self.cfg.serving.drafter_weights
         return weights == "int8" or (weights == "auto" and self.cfg.precision.drafter.ort_float32)
 
+    @property
+    def ort_iteration_graph(self) -> bool:
+        """Whether ONNX Runtime serves the iteration graph (serving.iteration_graph; auto: where
+        neither graph is FP8)."""
+        mode = self.cfg.serving.iteration_graph
+        fp8 = "fp8" in (self.cfg.precision.target.format, self.cfg.precision.drafter.format)
+        return mode == "on" or (mode == "auto" and not fp8)
+
     def parity(self, selected: bool) -> StageResult:
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
@@ -373,8 +381,10 @@ class Build:
         engines = self.results["engines"].status in ("ran", "cached")
         graphs = self.graphs_for("onnxruntime")
         int8 = not engines and self.ort_drafter_int8
+        iteration = not engines and self.ort_iteration_graph
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
                "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
+               "iteration_graph": iteration,
                "template": hashlib.sha256(TEMPLATE.read_bytes()).hexdigest()}
         skip = None if cfg.outputs.triton else "outputs.triton is false in the config"
         if skip is None:
@@ -383,7 +393,8 @@ class Build:
         def run(tmp: Path) -> dict:
             plans = {n: self.path("engines", f"{n}.plan") for n in ("target", "drafter_tree")} if engines else None
             precision = {g: ("fp8" if ".fp8." in p.name else "float") for g, p in graphs.items()}
-            return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log, drafter_int8=int8)
+            return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log, drafter_int8=int8,
+                                    iteration_graph=iteration)
         return self.run("triton", selected, key, run, skip)
 
 

@@ -101,12 +101,16 @@ def _kv(graph: Path, layers_key: str) -> dict:
 
 
 def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], precision: dict[str, str],
-                     plans: dict[str, Path] | None, log=None, drafter_int8: bool = False) -> dict:
+                     plans: dict[str, Path] | None, log=None, drafter_int8: bool = False,
+                     iteration_graph: bool = False) -> dict:
     """The repository in `out`; `drafter_int8` (ONNX Runtime only) serves the drafter graph with
-    int8 weights made here from graphs['drafter_tree'] (serving.drafter_weights)."""
+    int8 weights made here from graphs['drafter_tree'] (serving.drafter_weights);
+    `iteration_graph` (ONNX Runtime only) adds the served target and drafter graphs composed
+    into one (serving.iteration_graph, export/iteration.py)."""
     name = cfg.serving.model_name
     version = out / name / "1"
-    progress = Progress("triton", 4 + drafter_int8, log)
+    iteration_graph = iteration_graph and not plans
+    progress = Progress("triton", 4 + drafter_int8 + iteration_graph, log)
     version.mkdir(parents=True)
     shutil.copy2(TEMPLATE, version / "model.py")
     (out / name / "config.pbtxt").write_text(python_model_config(name))
@@ -147,6 +151,13 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 _link_graph(path, version / "graphs")
             settings["graphs"][graph] = f"graphs/{path.name}"
         settings["precision"] = precision
+        if iteration_graph:
+            from ..export.iteration import compose_iteration
+            served = {g: version / f for g, f in settings["graphs"].items()}
+            path = version / "graphs" / "iteration.onnx"
+            compose_iteration(served["target"], served["drafter_tree"], path, tensorrt=not drafter_int8)
+            settings["graphs"]["iteration"] = f"graphs/{path.name}"
+            progress.step("iteration graph (the drafter and target graphs in one)")
     progress.step("tensorrt_plan models" if plans else "onnx graphs")
     import json
     (version / "eagle.json").write_text(json.dumps(settings, indent=2))

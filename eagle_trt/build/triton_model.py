@@ -141,22 +141,26 @@ class TritonPythonModel:
         self.settings = s
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
         shape = TreeShape(*s["tree"])
+        iteration = None
         if s["backend"] == "tensorrt":
             device = "cuda" if torch.cuda.is_available() else "cpu"
             target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
         else:
             from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtTarget
-            from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+            from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
             target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
+            if "iteration" in s["graphs"]:   # one call for each iteration that verifies whole trees
+                iteration = OrtIteration(folder / s["graphs"]["iteration"], target, drafter, threads)
         # One running batch per model instance: requests join it between iterations and leave it
         # when done; the cost model decides per iteration how much of each draft tree to verify.
         cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
-        self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost)
+        self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost,
+                                          iteration=iteration)
         self.incoming = queue.Queue()
         self.waiting_logged = 0
         self.stopping = threading.Event()

@@ -46,6 +46,9 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   at every size), then twice as long after each retry that does not win (up to 1024 steps:
   every retry pays a catch-up). A retry re-learns acceptance: the trees before it weigh as much
   as `burst` trees, since they are from the sequences that made drafting stop.
+With an iteration graph (drafting and verification in one call), a step verifying all N nodes
+after the warm-up is one call: only its whole time is measured (seconds(N) is that median), and
+the call tables keep the two-call timings of the warm-up and of the smaller trees.
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.
@@ -276,12 +279,18 @@ class CostModel:
             self.observed[m] = self.observed[m] * self.decay + 1.0
             self.gains[m] += (gained[m] - self.gains[m]) / self.observed[m]
 
+    @property
+    def warming_up(self) -> bool:
+        """Still timing the drafter and target calls of whole trees apart (a decoder with an
+        iteration graph makes those two calls until then: one call of both cannot be split)."""
+        return self.full_trees < self.warmup or not (self.target.seen and self.draft.seen)
+
     def choose(self, batch: int, backlog: int = 0, remaining: int | None = None) -> int:
         """Draft nodes to verify per sequence this iteration (0 = plain decoding). backlog: rows
         the drafter must catch up on before it can draft (a new prompt, plain steps); that
         one-time cost is paid off over the steps left (remaining: tokens the sequences with a
         backlog may still generate, on average), at most `horizon`."""
-        if self.full_trees < self.warmup or not (self.target.seen and self.draft.seen):
+        if self.warming_up:
             return self.nodes
         if (batch, 0) not in self.samples:   # time plain decoding at this batch size once
             return 0

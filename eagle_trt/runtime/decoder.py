@@ -156,16 +156,18 @@ class SpeculativeDecoder:
     trim: without a cost model, verify per iteration only the nodes whose scores pay for their
     rows (runtime/cost.py NodeTrim; bench --node-trim).
     iteration: drafting and verification in one graph call (OrtIteration over these two
-    backends: `run(states, ids, new_lengths)` returns the trees and verify's outputs); it
-    verifies every node, so it takes neither a cost model nor a trim."""
+    backends: `run(states, ids, new_lengths)` returns the trees and verify's outputs), used for
+    the iterations that verify every node; with a cost model, once it has timed the two calls
+    apart (CostModel.warming_up). It takes no trim (that picks the nodes between the calls)."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
                  vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None,
                  iteration=None):
         if cost_model is not None and trim is not None:
             raise ConfigError("a decoder takes a cost model or a node trim, not both (the cost model picks n per batch)")
-        if iteration is not None and (cost_model is not None or trim is not None):
-            raise ConfigError("an iteration graph verifies every draft node: it takes no cost model or node trim")
+        if iteration is not None and trim is not None:
+            raise ConfigError("node trim picks the nodes to verify between the drafter and target calls: it takes "
+                              "no iteration graph")
         if iteration is not None and (iteration.target is not target or iteration.drafter is not drafter):
             raise ConfigError("the iteration graph's backends must be the decoder's target and drafter (they share "
                               "the KV caches)")
@@ -250,9 +252,9 @@ class SpeculativeDecoder:
         """Pending rows beyond what one iteration accepts (a new prompt, plain steps): encoded alone."""
         return len(s.pending_ids) - 1 if len(s.pending_ids) > self.drafter.shape.depth + 1 else 0
 
-    def _draft(self, batch: list[Sequence]) -> tuple[DraftTree, float, tuple | None]:
-        """The batch's trees, the seconds spent catching the drafter up on backlogs, and with an
-        iteration graph the verification's outputs (None: verify them with the target)."""
+    def _draft(self, batch: list[Sequence], one_call: bool = False) -> tuple[DraftTree, float, tuple | None]:
+        """The batch's trees, the seconds spent catching the drafter up on backlogs, and with
+        one_call (the iteration graph) the verification's outputs (None: the target verifies)."""
         caught_up, rows, start = False, 0, time.perf_counter()
         for i, s in enumerate(batch):
             states = _cat_rows(s.pending_states)
@@ -273,7 +275,7 @@ class SpeculativeDecoder:
             states = _pad_rows([s.pending_states[0] for s in batch], T)
             ids = [s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch]
         verified = None
-        if self.iteration is not None:
+        if one_call:
             trees, *verified = self.iteration.run(states, ids, lengths)
         else:
             trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
@@ -301,7 +303,11 @@ class SpeculativeDecoder:
         # host-to-device copies are the roots and lengths
         verified = done = None
         if n > 0:
-            full, catch_up, done = self._draft(batch)   # done: verified in the same call (iteration graph)
+            # the whole trees, in one call where there is an iteration graph (and a cost model
+            # has timed the two calls apart: it cannot split one)
+            one_call = (self.iteration is not None and n == self.nodes
+                        and (self.cost_model is None or not self.cost_model.warming_up))
+            full, catch_up, done = self._draft(batch, one_call)   # done: verified in the same call
             if self.trim is not None:
                 n = self.trim.choose(full.scores, n)
             verified = full.top(n)

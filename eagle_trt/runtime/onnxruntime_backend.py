@@ -410,6 +410,10 @@ class OrtIteration(_Timed):
         if self.tree_outputs[PREFIX + "tree_tokens"][1][1] != self.nodes:
             raise ValueError(f"{path}: its tree has {self.tree_outputs[PREFIX + 'tree_tokens'][1][1]} nodes, the "
                              f"drafter backend's shape {self.nodes}: compose it from this drafter's graph")
+        # drafter rows per call at least depth + 1 (what one iteration accepts at most; the rest
+        # padding): one binding per batch size instead of one per accept length, so a re-layout
+        # of the target's cache rebinds its 2L pasts once, not once per length
+        self.min_rows = drafter.shape.depth + 1
         names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
         self.bindings = Bindings(self.session, names, self._buffers)
 
@@ -432,11 +436,8 @@ class OrtIteration(_Timed):
         each sequence's root (its last valid input id) and whole tree, in one call. Returns the
         trees and what verify returns: logits, captured, input ids and the tree mask."""
         t, d, p = self.target, self.drafter, self.prefix
-        # at least depth + 1 drafter rows (what one iteration accepts at most; the rest padding):
-        # one binding per batch size instead of one per accept length, so a re-layout of the
-        # target's cache rebinds its 2L pasts once, not once per length
         Tp, T = int(captured.shape[1]), 1 + self.nodes
-        rows = max(Tp, d.shape.depth + 1)
+        rows = max(Tp, self.min_rows)
         slots, drafted, d_width = d._stage(slots, rows)
         slots, committed, t_width = t._stage(slots, T)
         bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
