@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import ConfigError, TreeShape
+from ..config import TreeShape
 from .cost import NodeTrim
 from .decoder import GenerationResult, SpeculativeDecoder, generate_autoregressive
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
@@ -119,9 +119,6 @@ class OrtDecoding:
         """iteration_graph: the two graphs composed into one (export/iteration.py): each
         speculative iteration is then one call of it (the drafter graph still catches up on
         prompts); it verifies every node, so it takes no trim."""
-        if trim and iteration_graph is not None:
-            raise ConfigError("node trim picks the nodes to verify after drafting: it needs the two graph calls, "
-                              "not an iteration graph")
         threads = ort_threads(threads)
         target = target or OrtTarget(target_graph, max_context, threads)
         drafter = OrtDrafter(drafter_graph, shape, threads)
