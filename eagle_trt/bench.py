@@ -66,14 +66,21 @@ DRAFTER_WEIGHTS = {"float32": "drafter_tree", "int8": "drafter_tree_int8"}
 ITERATION_WEIGHTS = {"float32": "iteration", "int8": "iteration_int8"}
 
 
-def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32",
-                  target_graph: Path | None = None) -> Path:
-    """The drafter-tree graph for `shape` with fp32 or int8 weights (quant/cpu_int8.py), one
-    folder per shape (exported once, then reused); with target_graph, that drafter graph and
-    the target graph composed into the iteration graph (export/iteration.py)."""
+def _tree_graph(models, shape: TreeShape, folder: Path, name: str, target_graph: Path | None = None) -> Path:
     sub = folder / "trees" / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    name = (ITERATION_WEIGHTS if target_graph is not None else DRAFTER_WEIGHTS)[weights]
     return export_pipeline(models, shape, sub, log=sys.stderr, only=(name,), target_graph=target_graph)[name]
+
+
+def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32") -> Path:
+    """The drafter-tree graph for `shape` with fp32 or int8 weights (quant/cpu_int8.py), one
+    folder per shape (exported once, then reused)."""
+    return _tree_graph(models, shape, folder, DRAFTER_WEIGHTS[weights])
+
+
+def iteration_graph(models, shape: TreeShape, folder: Path, target_graph: Path, weights: str = "float32") -> Path:
+    """That drafter graph and the target graph composed into the iteration graph beside it
+    (export/iteration.py), remade when either changes."""
+    return _tree_graph(models, shape, folder, ITERATION_WEIGHTS[weights], target_graph)
 
 
 def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, target: OrtTarget,
@@ -373,8 +380,8 @@ def main(argv=None) -> int:
     one_call = args.iteration_graph == "on" and not trim
     ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
                            models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
-                           threads, target=target, trim=trim, iteration_graph=drafter_graph(
-                               models, shape, folder, args.drafter_weights, target_graph) if one_call else None)
+                           threads, target=target, trim=trim, iteration_graph=iteration_graph(
+                               models, shape, folder, target_graph, args.drafter_weights) if one_call else None)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from eagle_trt.api import prepare_models
-from eagle_trt.bench import DRAFTER_WEIGHTS, drafter_graph, parse_tree
+from eagle_trt.bench import DRAFTER_WEIGHTS, drafter_graph, iteration_graph, parse_tree
 from eagle_trt.checkpoints import cache_dir
 from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
                            models.target.config.vocab_size, args.threads)
-    iteration_graph = drafter_graph(models, shape, folder, args.drafter_weights, target_graph)
-    padded = OrtIteration(iteration_graph, ort.target, ort.drafter, args.threads)
-    unpadded = OrtIteration(iteration_graph, ort.target, ort.drafter, args.threads)
+    graph = iteration_graph(models, shape, folder, target_graph, args.drafter_weights)
+    padded = OrtIteration(graph, ort.target, ort.drafter, args.threads)
+    unpadded = OrtIteration(graph, ort.target, ort.drafter, args.threads)
     unpadded.min_rows = 1
     decoders = {"two calls": ort.decoder}
     for name, iteration in (("one call", padded), ("one call, rows unpadded", unpadded)):

@@ -1,6 +1,7 @@
 """Batched decoding on tiny models: the KV cache's slots, the cost model's choices, and every
-sequence of a continuously batched run equal to its own batch-1 run (torch and ONNX Runtime),
-with mixed prompt lengths, per-sequence max_new_tokens and EOS, joins and leaves."""
+sequence of a continuously batched run equal to its own batch-1 run (torch, ONNX Runtime, and
+ONNX Runtime with the iteration graph: one call an iteration), with mixed prompt lengths,
+per-sequence max_new_tokens and EOS, joins and leaves."""
 from __future__ import annotations
 
 import copy
@@ -15,12 +16,12 @@ from conftest import frozen_trim
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
+from eagle_trt.export.iteration import IterationGraphError, compose_iteration
 from eagle_trt.runtime.backend import TargetBackend, TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
-from eagle_trt.export.iteration import IterationGraphError, compose_iteration
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 

@@ -200,12 +200,16 @@ class DrafterBackend(_Batched):
         slots, lengths, width = self._stage(slots, T)
         new_lengths = new_lengths or [T] * len(slots)
         tree, new_k, new_v = self._run(captured, input_ids, lengths, new_lengths, slots, width)
+        self.commit_new_rows(new_k, new_v, new_lengths)
+        return tree
+
+    def commit_new_rows(self, new_k, new_v, new_lengths: list[int]) -> None:
+        """Keep the valid new rows of the staged call (every sequence's first new_lengths[i])."""
         if new_v is None:                              # K and V as one [2, 1, b, Hkv, T, D] block
             self.cache.write(new_k)
         else:                                          # the one cache layer, [1, b, Hkv, T, D] each
             self.cache.write(new_k[None], new_v[None])
         self.cache.commit([list(range(n)) for n in new_lengths])
-        return tree
 
     def _run(self, captured: Tensor, input_ids: Tensor | list[list[int]], past_lengths: list[int],
              new_lengths: list[int], slots: range, width: int) -> tuple[DraftTree, Tensor, Tensor]:

@@ -23,6 +23,7 @@ import torch
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
 from ..export.iteration import PREFIX
+from ..tree import DraftTree
 from .backend import DrafterBackend, TargetBackend, logits_rows, tree_from_outputs
 from .kv_cache import CHUNK
 
@@ -122,8 +123,18 @@ class Bound:
         self.buffers: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}      # the same memory as numpy arrays
         self.layout: tuple | None = None             # the cache layout its past inputs are bound to
-        self.tree = None                             # a drafter's DraftTree over its output buffers, made once
+        self.tree = None                             # a drafter's DraftTree over its output buffers (draft_tree)
         self.mask_lengths: list[int] | None = None   # the committed lengths the target's mask shows (verify)
+
+    def draft_tree(self, prefix: str = "") -> DraftTree:
+        """The drafter graph's trees over this binding's output buffers (names `prefix` + name),
+        made once where float32 scores let the tree be views valid for every call."""
+        if self.tree is None:
+            tree = tree_from_outputs(self.buffers, self.arrays, prefix)
+            if tree.scores is not self.buffers[prefix + "tree_scores"]:   # converted scores: made per call
+                return tree
+            self.tree = tree
+        return self.tree
 
     def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
         buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
@@ -380,10 +391,7 @@ class OrtDrafter(_Timed, DrafterBackend):
         bound = self.bindings.get(slots, [(self.cache, int(captured.shape[1]), width)])
         bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
         self._run_graph(bound.io)
-        tree = bound.tree or tree_from_outputs(bound.buffers, bound.arrays)
-        if tree.scores is bound.buffers["tree_scores"]:   # float32 scores: a view, valid for every call
-            bound.tree = tree
-        return tree, bound.staged, None   # [2, 1, b, Hkv, T, D]
+        return bound.draft_tree(), bound.staged, None   # [2, 1, b, Hkv, T, D]
 
 
 class OrtIteration(_Timed):
@@ -400,7 +408,7 @@ class OrtIteration(_Timed):
     def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = None,
                  **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
-        self.target, self.drafter, self.prefix = target, drafter, PREFIX
+        self.target, self.drafter = target, drafter
         inputs = {i.name for i in self.session.get_inputs()}
         if not {PREFIX + "captured", "past_lengths", "past_key_0"} <= inputs:
             raise ValueError(f"{path}: not an iteration graph (inputs {sorted(inputs)[:6]}...): make one with "
@@ -418,7 +426,7 @@ class OrtIteration(_Timed):
         self.bindings = Bindings(self.session, names, self._buffers)
 
     def _buffers(self, bound: Bound, b: int, T: int, Tp: int) -> None:
-        t, d, p = self.target, self.drafter, self.prefix
+        t, d, p = self.target, self.drafter, PREFIX
         bound.buffer(p + "captured", d.captured_dtype, [b, Tp, d.captured_width], output=False).zero_()
         bound.buffer(p + "input_ids", torch.int64, [b, Tp], output=False).zero_()   # padding: valid ids
         for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
@@ -435,7 +443,7 @@ class OrtIteration(_Timed):
         """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
         each sequence's root (its last valid input id) and whole tree, in one call. Returns the
         trees and what verify returns: logits, captured, input ids and the tree mask."""
-        t, d, p = self.target, self.drafter, self.prefix
+        t, d, p = self.target, self.drafter, PREFIX
         Tp, T = int(captured.shape[1]), 1 + self.nodes
         rows = max(Tp, self.min_rows)
         slots, drafted, d_width = d._stage(slots, rows)
@@ -448,10 +456,7 @@ class OrtIteration(_Timed):
         out = bound.buffers
         t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
         self._run_graph(bound.io)
-        d.cache.write(bound.staged_all[1])
-        d.cache.commit([list(range(n)) for n in new_lengths])
+        d.commit_new_rows(bound.staged_all[1], None, new_lengths)
         t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
-        tree = bound.tree or tree_from_outputs(out, bound.arrays, p)
-        if tree.scores is out[p + "tree_scores"]:   # float32 scores: a view, valid for every call
-            bound.tree = tree
+        tree = bound.draft_tree(PREFIX)
         return tree, out["logits"], out["captured"], out["input_ids"], tree.mask
