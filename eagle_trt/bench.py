@@ -403,7 +403,8 @@ def main(argv=None) -> int:
             concurrent = concurrency.measure(target, ort.drafter, eos, models.target.config.vocab_size,
                                              held_out[:args.concurrency_prompts], args.max_new_tokens, levels,
                                              warm=held_out[args.concurrency_prompts:],
-                                             repeats=args.concurrency_repeats, plain_target=ort.plain)
+                                             repeats=args.concurrency_repeats, plain_target=ort.plain,
+                                             iteration=ort.iteration)
     report = {"target": str(models.target.folder), "drafter": models.drafter_source,
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,

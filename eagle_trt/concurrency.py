@@ -63,14 +63,16 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
 
 
 def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts, max_new_tokens,
-              warm: list[list[int]], plain_target=None
+              warm: list[list[int]], plain_target=None, iteration=None
               ) -> tuple[list[GenerationResult], float | None, float, float | None]:
     """The results, the mean draft nodes verified per iteration (None: per-request mode), the
     seconds of the timed run and the host milliseconds per iteration (wall time outside graph
     calls; None in per-request mode, whose threads overlap). A batched decoder first decodes `warm` (held-out prompts,
     as many tokens as the measured requests up to 32, same batch size), as a server that has been running would
     have: the cost model's warm-up verifications and its first timings stay out of the measurement. plain_target: the
-    session plain decoding runs on (its fastest setting, runtime/timing.py); default `target`."""
+    session plain decoding runs on (its fastest setting, runtime/timing.py); default `target`.
+    iteration: the batched speculative decoder's iteration graph over `target` and `drafter`
+    (OrtIteration), as the Triton model runs it."""
     if mode == "speculative-per-request":
         start = time.perf_counter()
         results = per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_tokens, streams)
@@ -78,10 +80,10 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
     shape = drafter.shape
     if mode == "speculative-batched":
         decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
-                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
+                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)), iteration=iteration)
     else:
         decoder = SpeculativeDecoder(plain_target or target, None, eos, vocab_size)
-    backends = (decoder.target, decoder.drafter)
+    backends = (decoder.target, decoder.drafter, decoder.iteration)
     decoder.generate_batch([Request(p, min(32, max_new_tokens)) for p in warm], max_batch=streams)
     decoder.verified.clear()
     graph0, start = graph_seconds(*backends), time.perf_counter()
@@ -92,10 +94,10 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
 
 
 def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_tokens: int, levels: list[int],
-            warm: list[list[int]], log=None, repeats: int = 1, plain_target=None) -> list[dict]:
+            warm: list[list[int]], log=None, repeats: int = 1, plain_target=None, iteration=None) -> list[dict]:
     """repeats > 1: every (level, mode) runs that many times, the modes' order rotating per
     repeat so drift in the machine's speed falls on each alike; tokens/s is the median run's,
-    latencies are pooled over the runs."""
+    latencies are pooled over the runs. iteration: see run_level."""
     log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
     solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
     rows = []
@@ -105,7 +107,7 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
             for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                 results, nodes, seconds, host = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
                                                           max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)],
-                                                          plain_target)
+                                                          plain_target, iteration)
                 runs[mode].append((results, nodes, seconds, host))
                 print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
                       f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s", file=log, flush=True)

@@ -4,7 +4,7 @@ continuously batched with the cost model (`bench --concurrency`'s speculative-ba
 after the same warm-up on held-out prompts).
 
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
-                                        [--iteration-graph]   (batch 1: one call an iteration)
+                                        [--iteration-graph]   (one call an iteration)
     python scripts/profile_iteration.py --streams 8 --prompts 16 [--runs 3]
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
@@ -97,15 +97,13 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=1, help="sequences decoded at a time (> 1: batched, with the cost model)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--iteration-graph", action="store_true", help="drafting and verification in one graph call "
-                   "(export/iteration.py; batch 1: the batched loop's cost model needs the two calls)")
+                   "(export/iteration.py) where an iteration verifies whole trees, as the Triton model runs it")
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
                    "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
-    if args.iteration_graph and args.streams > 1:
-        p.error("--iteration-graph runs at batch 1 (the batched loop's cost model needs the two graph calls)")
     graphs = export_pipeline(models, shape, folder, log=sys.stderr,
                              only=("target", "drafter_tree") + (("iteration",) if args.iteration_graph else ()))
     held_out = 2 * args.streams if args.streams > 1 else 1
@@ -117,7 +115,8 @@ def main(argv=None) -> int:
     batched = None
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
         batched = SpeculativeDecoder(ort.target, ort.drafter, models.eos_ids, models.target.config.vocab_size,
-                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)))
+                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)),
+                                     iteration=ort.iteration)
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
     measured = prompts[held_out:]
     sessions = ort.sessions
