@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads per session")
     p.add_argument("--streams", type=int, default=1, help="sequences decoded at a time (> 1: batched, with the cost model)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--cumulative", action="store_true", help="the profiler's table by time including callees")
     p.add_argument("--iteration-graph", action="store_true", help="drafting and verification in one graph call "
                    "(export/iteration.py) where an iteration verifies whole trees, as the Triton model runs it")
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
@@ -143,11 +144,11 @@ def main(argv=None) -> int:
     profiler.enable()
     run(ort, measured, args.max_new_tokens, batched, args.streams)
     profiler.disable()
-    rows = sorted(((tt, calls, f"{Path(file).name}:{line}({name})")
-                   for (file, line, name), (_, calls, tt, _, _) in pstats.Stats(profiler).stats.items()
+    rows = sorted(((ct if args.cumulative else tt, calls, f"{Path(file).name}:{line}({name})")
+                   for (file, line, name), (_, calls, tt, ct, _) in pstats.Stats(profiler).stats.items()
                    if "run_with_iobinding" not in name), reverse=True)        # graph calls excluded
-    print("\nhost time by function, under the profiler (its own time, callees excluded; torch ops called"
-          "\nthrough operators and indexing count in the caller):")
+    print("\nhost time by function, under the profiler (" + ("callees included, graph calls too" if args.cumulative
+          else "its own time, callees excluded") + "; torch ops called\nthrough operators and indexing count in the caller):")
     print(f"  {'us/iteration':>12s} {'calls/iteration':>15s}  function")
     for tt, calls, name in rows[:args.top]:
         print(f"  {1e6 * tt / iterations:12.1f} {calls / iterations:15.2f}  {name}")

@@ -21,7 +21,7 @@ from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTarget, make_session
+from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, CpuBinding, OrtDrafter, OrtTarget, bind_past, make_session
 from eagle_trt.tree import DraftTree
 
 from conftest import PlantedDrafter
@@ -219,6 +219,30 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     want, want_captured = ref.forward(*prefill, last_only=True)
     assert ort_target.bindings.entries[(1, 2, 7, 1)].layout[0][0] == 0
     assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
+
+
+def test_onnxruntime_binding_by_address_matches_the_public_api(exported, monkeypatch):
+    """CpuBinding binds through the IOBinding's pybind object; where onnxruntime has none it
+    takes IOBinding's public methods: the same outputs, bit for bit, prefill and steps."""
+    target, _, graphs = exported
+    ids = torch.randint(3, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for attribute in ("_iobinding", "no_such_attribute"):
+        monkeypatch.setattr(CpuBinding, "raw_attribute", attribute)
+        ort_target = OrtTarget(graphs["target"], 512)
+        ort_target.reset()
+        ort_target.add_sequence()
+        out = [ort_target.forward(ids[:, :8], torch.arange(8)[None], torch.ones(1, 8, 8).tril().bool())[0].clone()]
+        ort_target.commit([list(range(8))])
+        for t in range(8, 12):
+            out.append(ort_target.forward(ids[:, t:t + 1], torch.tensor([[t]]), torch.ones(1, 1, 1).bool())[0].clone())
+            ort_target.commit([[0]])
+        entry = next(iter(ort_target.bindings.entries.values()))
+        assert (entry.binding.raw is None) == (attribute != "_iobinding")
+        outputs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    with pytest.raises(ValueError, match="not contiguous"):
+        bind_past(entry.binding, ort_target.cache, range(1), 3, 0, ("past_key_0", "past_value_0"))
 
 
 def test_drafter_graph_rejects_another_tree_shape(exported):

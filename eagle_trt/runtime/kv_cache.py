@@ -34,6 +34,18 @@ NUMPY_FLOATS = (torch.float32, torch.float16)   # the cache dtypes numpy has (no
 _layout_ids = itertools.count()
 
 
+def zeroed(numel: int, dtype: torch.dtype, device=None) -> Tensor:
+    """A zeroed flat tensor. On the CPU its memory comes from calloc (through numpy), which takes
+    large blocks from the OS already zeroed: nothing is written up front and pages fault in as
+    rows are first used. torch.zeros writes every page at once: growing an 8-stream cache to
+    ~100 MB that way took 5-460 ms of one join or step here (the first touch of fresh memory
+    in a VM is slow), most of the batched loop's host time when it happened."""
+    if torch.device(device or "cpu").type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype)
+
+
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = CHUNK,
                  dtype: torch.dtype = torch.float32, device=None, batch: int = 1):
@@ -61,11 +73,12 @@ class KVCache:
             # half again: the next chunks of rows fit without another one
             size = numel if storage is None else max(numel, storage.numel() * 3 // 2)
             self.storages[spare] = None      # let the old storage go before the new one is made
-            self.storages[spare] = torch.zeros(size, dtype=self.dtype, device=self.device)
+            self.storages[spare] = zeroed(size, self.dtype, self.device)
         kv = self.storages[spare][:numel].view(shape)
         if b and s:
             kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
         self.kv, self.active = kv, spare
+        self.shape = shape      # kv's shape as ints (binding by address reads it)
         self.k, self.v = kv[0], kv[1]
         self.capacity = rows    # rows per slot (an int kept: a tensor's shape costs ~5 us after a graph call)
         # the same memory as a numpy array, on the CPU where numpy has the dtype: a commit's slice
