@@ -22,9 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from .config import TreeShape
-from .export.graphs import ACCEPT_OUTPUTS, DraftTreeGraph, DrafterStepGraph, TargetGraph, target_io_names
+from .export.graphs import (
+    ACCEPT_OUTPUTS,
+    DRAFT_TREE_OUTPUTS,
+    DraftTreeGraph,
+    DrafterStepGraph,
+    TargetGraph,
+    target_io_names,
+)
+from .export.iteration import PREFIX
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget, causal_mask
 
@@ -43,6 +52,7 @@ TOLERANCES = {
 }
 EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths", "accept_path", "accept_length",
                  "accept_tokens"}
+EXACT_OUTPUTS |= {PREFIX + n for n in EXACT_OUTPUTS} | {"input_ids"}   # the iteration graph's, and its verified ids
 
 
 def tolerance_for(output: str, dtype: str, reference: list[dict[str, np.ndarray]] | None = None
@@ -228,6 +238,72 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
     return cases
 
 
+class IterationReference(nn.Module):
+    """The iteration graph (export/iteration.py) in PyTorch: the drafter tree graph, the glue that
+    builds the verification inputs from its trees and the committed lengths, the target graph."""
+
+    def __init__(self, target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape):
+        super().__init__()
+        self.draft, self.verify = DraftTreeGraph(drafter, shape), TargetGraph(target)
+
+    def forward(self, captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths,
+                past_lengths, *past):
+        tree = self.draft(captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths)
+        tokens, tree_mask, depths = tree[0], tree[2], tree[3]
+        ids = torch.cat((draft_ids.gather(1, (new_lengths - 1)[:, None]), tokens), 1)   # root: the last valid id
+        T, P = ids.shape[1], past[0].shape[2]
+        committed = torch.arange(P, device=ids.device)[None] < past_lengths[:, None]
+        mask = torch.cat((committed[:, None].expand(-1, T, -1), tree_mask), 2)
+        return (*tree, ids, *self.verify(ids, past_lengths[:, None] + depths, mask,
+                                         torch.arange(T, device=ids.device), *past))
+
+
+def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path, dtype: str,
+                   real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0) -> GraphCase:
+    """The iteration graph: real feeds (the iteration after a prompt's prefill: the drafter
+    encodes the prompt's captured states, the target's past is the prefill's KV; `real` are the
+    target case's prefill references with their drafter ids) and a batch of two with random
+    drafter states and pasts, each sequence with its own committed and new lengths."""
+    cfg, c = target.cfg, drafter.cfg
+    _, target_outputs = target_io_names(cfg.num_hidden_layers)
+    names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_outputs
+    module = IterationReference(target, drafter, shape).eval()
+    case = GraphCase("iteration", graph, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    wdt = drafter.fc.weight.dtype
+
+    def add(label, captured, ids, draft_past, draft_lengths, new_lengths, lengths, past):
+        feed = {PREFIX + "captured": _np(captured), PREFIX + "input_ids": _np(ids), PREFIX + "past_key": _np(draft_past[0]),
+                PREFIX + "past_value": _np(draft_past[1]), PREFIX + "past_lengths": _np(draft_lengths),
+                PREFIX + "new_lengths": _np(new_lengths), "past_lengths": _np(lengths)}
+        for i, (k, v) in enumerate(past):
+            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
+        case.feeds.append(feed)
+        case.labels.append(label)
+        case.reference.append(_run(module, feed, names))
+
+    empty = torch.zeros(1, c.num_key_value_heads, 0, c.head_dim, dtype=wdt)
+    for prefill, ids in real:
+        n = len(ids)
+        add(f"real (the iteration after a {n}-token prefill)", torch.from_numpy(prefill["captured"]).to(wdt),
+            torch.tensor([ids]), (empty, empty), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]),
+            [(torch.from_numpy(prefill[f"new_key_{i}"]), torch.from_numpy(prefill[f"new_value_{i}"]))
+             for i in range(cfg.num_hidden_layers)])
+    P, Pd, Tp = 13, 11, 4
+    dev = _device(target)
+    with torch.no_grad():
+        prefix = target(torch.randint(0, cfg.vocab_size, (1, P), generator=gen).to(dev), torch.arange(P, device=dev)[None],
+                        causal_mask(P, 0, dev), *target.empty_past(device=dev))
+    width = c.num_aux_hidden_states * c.target_hidden_size
+    add("batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)",
+        torch.randn(2, Tp, width, generator=gen).to(wdt) * 3, torch.randint(0, c.vocab_size, (2, Tp), generator=gen),
+        tuple(torch.randn(2, c.num_key_value_heads, Pd, c.head_dim, generator=gen).to(wdt) for _ in range(2)),
+        torch.tensor([Pd, Pd - 5]),
+        torch.tensor([Tp, 2]), torch.tensor([P, P - 4]),
+        [(k.cpu().repeat(2, 1, 1, 1), v.cpu().repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
+    return case
+
+
 # ----------------------------------------------------------------------------- checking
 
 def parity_session(graph: str | Path, dtype: str = "float32"):
@@ -298,6 +374,12 @@ def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:
     logits rounding, not an acceptance error (the other outputs' tolerances say how close)."""
     from .export.graphs import greedy_accept
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in feed.items()}
+    if "attention_mask" not in t:     # the iteration graph: its verification inputs are its own (IterationReference)
+        ids, tree_mask = (torch.from_numpy(np.asarray(got[n])) for n in ("input_ids", PREFIX + "tree_mask"))
+        T, P = ids.shape[1], t["past_key_0"].shape[2]
+        committed = torch.arange(P)[None] < t["past_lengths"][:, None]
+        t.update(input_ids=ids, attention_mask=torch.cat((committed[:, None].expand(-1, T, -1), tree_mask), 2),
+                 logits_index=torch.arange(T))
     out = greedy_accept(torch.from_numpy(np.asarray(got["logits"])).float(), t["input_ids"], t["attention_mask"],
                         t["logits_index"])
     return {n: _np(o) for n, o in zip(ACCEPT_OUTPUTS, out)}
@@ -361,7 +443,7 @@ def write_bundle(case: GraphCase, reference, bundle_dir: Path) -> None:
 
 
 def format_report(reports: list[GraphReport]) -> str:
-    lines = [f"{'graph':<20}{'output':<16}{'max abs':>12}{'max rel':>12}{'atol':>10}  result"]
+    lines = [f"{'graph':<20}{'output':<22}{'max abs':>12}{'max rel':>12}{'atol':>10}  result"]
     for rep in reports:
         shown = [o for o in rep.outputs if "key_" not in o.output and "value_" not in o.output]
         kv = [o for o in rep.outputs if o not in shown]
@@ -371,9 +453,9 @@ def format_report(reports: list[GraphReport]) -> str:
                                       worst.rtol, False, all(o.passed for o in kv)))
         for o in shown:
             tol = "exact" if o.exact else f"{o.atol:.0e}"
-            lines.append(f"{rep.name:<20}{o.output:<16}{o.max_abs:>12.3e}{o.max_rel:>12.3e}{tol:>10}  "
+            lines.append(f"{rep.name:<20}{o.output:<22}{o.max_abs:>12.3e}{o.max_rel:>12.3e}{tol:>10}  "
                          f"{'ok' if o.passed else 'FAIL'}")
-        lines.append(f"{rep.name:<20}{'(polygraphy)':<16}{'':>34}  {'ok' if rep.polygraphy_passed else 'FAIL'}"
+        lines.append(f"{rep.name:<20}{'(polygraphy)':<22}{'':>34}  {'ok' if rep.polygraphy_passed else 'FAIL'}"
                      f"   inputs: {'; '.join(rep.inputs)}")
     return "\n".join(lines)
 
@@ -395,12 +477,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree-top-k", type=int, default=8)
     p.add_argument("--total-tokens", type=int, default=60)
     p.add_argument("--prompts", type=int, default=2, help="real MT-bench prompts to use as inputs")
+    p.add_argument("--iteration-graph", action="store_true",
+                   help="also compose and check the iteration graph (export/iteration.py: both graphs in one)")
     args = p.parse_args(argv)
     try:
         shape = TreeShape(args.depth, args.tree_top_k, args.total_tokens).validate()
         models = prepare_models(args.target, args.drafter, log=sys.stderr)
         out = Path(args.out)
         graphs = export_pipeline(models, shape, out / "graphs", args.dtype, step_graphs=True, log=sys.stderr)
+        if args.iteration_graph:
+            graphs.update(export_pipeline(models, shape, out / "graphs", args.dtype, log=sys.stderr, only=("iteration",)))
         reports = run_parity(models, shape, graphs, args.dtype, args.prompts, out / "bundles")
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -423,6 +509,9 @@ def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, nu
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())])
             for c, p in zip(cases[0].reference[1::2], prompts)]
     cases += drafter_cases(drafter, shape, graphs, dtype, real)
+    if "iteration" in graphs:
+        cases.append(iteration_case(target, drafter, shape, graphs["iteration"], dtype,
+                                    [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
     return [check_case(c, bundle_dir) for c in cases]
 
 

@@ -138,6 +138,11 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
         # an fp32 target: the served graphs composed into one (the tiny build's FP8 target is not)
         one_call = change.get("precision", {}).get("target", {}).get("format") == "fp32"
         assert ("iteration" in settings["graphs"]) == one_call
+        # and the parity stage checked that composition against PyTorch, leaving its bundle, not the graph
+        report = json.loads((out / "parity/report.json").read_text())
+        assert ("iteration" in {g["name"] for g in report["graphs"]}) == one_call and report["passed"]
+        assert (out / "parity/bundles/iteration.reference.json").exists() == one_call
+        assert not (out / "parity/iteration").exists()
 
 
 def test_device_keys_calibration_and_parity_by_the_device_it_resolves_to(tiny, tmp_path):

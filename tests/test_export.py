@@ -17,8 +17,9 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
 from eagle_trt.export.graphs import kv_heads_and_dim
+from eagle_trt.export.iteration import compose_iteration
 from eagle_trt.export.opcheck import find_problems
-from eagle_trt.parity import check_case, drafter_cases, target_case
+from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, CpuBinding, OrtDrafter, OrtTarget, bind_past, make_session
@@ -47,6 +48,10 @@ def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
     cases = [target_case(target.model, graphs["target"], "float32", prompts, SHAPE, drafter)]
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(cases[0].reference[1::2], prompts)]
     cases += drafter_cases(drafter, SHAPE, graphs, "float32", real)
+    iteration = compose_iteration(graphs["target"], graphs["drafter_tree"], tmp_path / "iteration.onnx").path
+    cases.append(iteration_case(target.model, drafter, SHAPE, iteration, "float32",
+                                [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
+    assert len(cases[-1].feeds) == 3                                  # two real, one batch of two
     for case in cases:
         report = check_case(case, tmp_path / "bundles")
         assert report.passed, [o for o in report.outputs if not o.passed]
@@ -62,6 +67,8 @@ def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
     assert set(feeds[0]) >= {"input_ids", "attention_mask", "logits_index", "past_key_0"}
     ref = RunResults.load(str(tmp_path / "bundles" / "drafter_tree.reference.json"))
     assert "tree_tokens" in list(ref.values())[0][0]
+    ref = RunResults.load(str(tmp_path / "bundles" / "iteration.reference.json"))
+    assert {"drafter.tree_tokens", "input_ids", "accept_tokens", "new_key_0"} <= set(list(ref.values())[0][0])
 
 
 def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
@@ -71,6 +78,11 @@ def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
     export_drafter_step(other, tmp_path / "wrong.onnx", True)
     case = [c for c in drafter_cases(drafter, SHAPE, {"drafter_step_first": tmp_path / "wrong.onnx"}, "float32", [])][0]
     assert not check_case(case).passed
+    # an iteration graph composed with another drafter's tree graph
+    export_drafter_tree(other, SHAPE, tmp_path / "wrong_tree.onnx")
+    wrong = compose_iteration(graphs["target"], tmp_path / "wrong_tree.onnx", tmp_path / "iteration.onnx").path
+    report = check_case(iteration_case(target.model, drafter, SHAPE, wrong, "float32", []))
+    assert not report.passed and not next(o for o in report.outputs if o.output == "drafter.tree_scores").passed
 
 
 @pytest.mark.parametrize("acceptance", ["host", "graph"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ def run_parity_stage(b, out: Path) -> dict:
         check_case,
         drafter_cases,
         format_report,
+        iteration_case,
         report_json,
         target_case,
     )
@@ -46,7 +48,10 @@ def run_parity_stage(b, out: Path) -> dict:
     if cfg.outputs.step_graphs:
         graphs.update({g: b.path("export", f"{g}.onnx") for g in ("drafter_step_first", "drafter_step")})
     quantized = [m for m in ("target", "drafter") if getattr(cfg.precision, m).quantized]
-    progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized), b.log)
+    # the iteration graph ONNX Runtime serves (serving.iteration_graph), composed of the float
+    # graphs as the TensorRT-checkable one is; composed here for its check and bundle, then dropped
+    iteration = b.ort_iteration_graph and not quantized
+    progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized) + 2 * iteration, b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
     target = _in_dtype(models.target.model, tdt)
@@ -55,6 +60,12 @@ def run_parity_stage(b, out: Path) -> dict:
     progress.step("target reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
+    if iteration:
+        from ..export.iteration import compose_iteration
+        composed = compose_iteration(graphs["target"], graphs["drafter_tree"], out / "iteration" / "iteration.onnx")
+        progress.step(f"iteration graph composed in {composed.seconds:.1f}s")
+        cases.append(iteration_case(target, drafter, shape, composed.path, "float16" if "float16" in (tdt, ddt) else tdt,
+                                    [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)]))
     # Every float reference is computed: the fake-quant references are made from the float models
     # in place (each quantized Linear's float weight goes as its FP8 / FP4 one is made), and the
     # rest of the float weights go before ONNX Runtime maps the graphs', so a real-size target is
@@ -71,6 +82,7 @@ def run_parity_stage(b, out: Path) -> dict:
         with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros
             reports.append(check_case(case, out / "bundles"))
         progress.step(f"{case.name}: {'ok' if reports[-1].passed else 'FAIL'}")
+    shutil.rmtree(out / "iteration", ignore_errors=True)     # checked; the triton stage composes the served one
     data = report_json(reports)
     if b.log is not None:
         print(format_report(reports), file=b.log)

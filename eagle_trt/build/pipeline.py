@@ -345,7 +345,8 @@ class Build:
     def parity(self, selected: bool) -> StageResult:
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
-               "precision": cfg.section("precision"), "device": self.device.type}
+               "precision": cfg.section("precision"), "device": self.device.type,
+               "iteration_graph": self.ort_iteration_graph}
         skip = None if cfg.parity.enabled else "parity.enabled is false in the config"
 
         def run(tmp: Path) -> dict:

@@ -252,18 +252,22 @@ class CostModel:
             return self.target(batch)
         return self.target(batch * (1 + n)) + self.draft(batch * (accepted[n] + self.draft_rows_per_seq))
 
-    def seconds(self, batch: int, n: int) -> float:
+    def seconds(self, batch: int, n: int, accepted: list[float] | None = None, scale: float | None = None) -> float:
         """A step's time: measured where this (batch, n) ran, else the sum of its graph calls
         scaled by how much longer than their calls the measured drafting steps of this batch
-        size took (host work)."""
+        size took (host work). accepted / scale: what `choose` computed once for every n."""
         if (batch, n) in self.iterations:
             return self.iterations[batch, n]
-        accepted = self.accepted
+        accepted = accepted or self.accepted
+        if n and scale is None:
+            scale = self._host_scale(batch, accepted)
+        return self._calls(batch, n, accepted) * (scale if n else 1.0)
+
+    def _host_scale(self, batch: int, accepted: list[float]) -> float:
         ran = [(b, m) for b, m in self.iterations if m > 0 and b == batch]
         ran = ran or [(b, m) for b, m in self.iterations if m > 0]   # no drafting at this size yet: any size's
-        scale = (sum(self.iterations[k] / max(self._calls(*k, accepted), 1e-9) for k in ran) / len(ran)
-                 if ran else 1.0)
-        return self._calls(batch, n, accepted) * (scale if n else 1.0)
+        return (sum(self.iterations[k] / max(self._calls(*k, accepted), 1e-9) for k in ran) / len(ran)
+                if ran else 1.0)
 
     def observe(self, path_ranks: list[int], verified: int) -> None:
         """One verified tree: the score ranks (0 = best) of the accepted draft nodes, root to
@@ -296,9 +300,11 @@ class CostModel:
             return 0
         accepted = self.accepted
         catch_up = self.catch_up(backlog) if backlog and self.catch_up.seen else 0.0
+        scale = None if all((batch, n) in self.iterations for n in range(1, self.nodes + 1)) \
+            else self._host_scale(batch, accepted)      # needed only for the n not measured at this batch
 
         def rate(n: int) -> float:
-            seconds = self.seconds(batch, n)
+            seconds = self.seconds(batch, n, accepted, scale)
             if n and catch_up:
                 steps = min(self.horizon, (remaining if remaining is not None else self.horizon) / accepted[n])
                 seconds += catch_up / max(steps, 1.0)

@@ -15,7 +15,8 @@ A change of layout (more slots, more or fewer rows) copies only the committed ro
 one of two storages into the other, which the layouts alternate between (a re-layout inside one
 storage would have to copy the rows out and back, since old and new places overlap: twice
 the copying for the same peak memory); a storage allocates only for a larger layout than it
-holds (zeroed, half again as large as its last). Allocating and zeroing a new cache at each
+holds (zeroed, half again as large as its last; on the CPU room for 4x the layout, as address
+space that faults in only where layouts reach). Allocating and zeroing a new cache at each
 change was most of the host work of a continuously batched run (8 streams: every join, every
 chunk of rows and every fresh start copied the whole cache). Rows past a sequence's length
 are masked but must be finite (a masked probability 0 times NaN is NaN): they hold zeros or
@@ -73,7 +74,7 @@ class KVCache:
             # half again: the next chunks of rows fit without another one
             size = numel if storage is None else max(numel, storage.numel() * 3 // 2)
             self.storages[spare] = None      # let the old storage go before the new one is made
-            self.storages[spare] = zeroed(size, self.dtype, self.device)
+            self.storages[spare] = self._storage(numel, size)
         kv = self.storages[spare][:numel].view(shape)
         if b and s:
             kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
@@ -86,6 +87,18 @@ class KVCache:
         # on caches the graph call has just flushed
         self.kv_np = kv.numpy() if kv.device.type == "cpu" and self.dtype in NUMPY_FLOATS else None
         self.layout_id = next(_layout_ids)   # unique to this layout: a binding of its memory is valid while it lasts
+
+    def _storage(self, numel: int, size: int) -> Tensor:
+        """A new storage of `size` elements; on the CPU, room for layouts 4x this one's `numel`
+        where the system gives that much address space: calloc memory costs nothing until a
+        layout reaches it, so the cache grows without storages made and faulted in again (each
+        new one faults in every page its first layout copies into: ~1 ms per MB on this VM)."""
+        if torch.device(self.device or "cpu").type == "cpu" and size < 4 * numel:
+            try:
+                return zeroed(4 * numel, self.dtype, self.device)
+            except (MemoryError, RuntimeError):     # more than the system commits to: what is needed
+                pass
+        return zeroed(size, self.dtype, self.device)
 
     def clear(self, capacity: int = CHUNK) -> None:
         """Drop every sequence; the storages stay for the next ones (no copy, no allocation

@@ -13,6 +13,7 @@ of the same shape), so it makes no bindings and allocates nothing."""
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from pathlib import Path
 
@@ -345,13 +346,19 @@ class OrtTarget(_Timed, TargetBackend):
         return super().accept_greedy(logits, input_ids, tree_mask)
 
     def keep_states(self, captured, paths, index=None):
-        """numpy arrays, one copy per sequence from the captured buffer's own array: a slice where
-        the path is a run of consecutive rows (usual: nodes are in rank order), else fancy
-        indexing (torch's index_select and reshapes cost ~130 us here right after a graph call)."""
+        """numpy arrays, copied from the captured buffer's own array in one copy for the batch:
+        a slice where every path is the same run of rows (plain steps: each sequence's one row),
+        else one gather of every path's rows; each sequence's rows are a view of that copy
+        (torch's index_select and reshapes cost ~130 us here right after a graph call, and a
+        copy per sequence 4x the one copy)."""
         last = self._last
         array = last.arrays["captured"] if last is not None and captured is last.buffers["captured"] else captured.numpy()
-        return [array[i, p[0]:p[-1] + 1].copy() if p[-1] - p[0] == len(p) - 1 else array[i, p]
-                for i, p in enumerate(paths)]
+        first, rows = paths[0][0], len(paths[0])
+        if all(p[0] == first and len(p) == rows and p[-1] - first == rows - 1 for p in paths):
+            return list(array[:len(paths), first:first + rows].copy())
+        kept = array[[i for i, p in enumerate(paths) for _ in p], [r for p in paths for r in p]]
+        ends = list(itertools.accumulate(map(len, paths)))
+        return [kept[end - len(p):end] for p, end in zip(paths, ends)]
 
     def verify(self, roots, tree):
         """TargetBackend.verify with the inputs written straight into the call's bound buffers,
