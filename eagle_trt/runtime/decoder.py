@@ -230,7 +230,7 @@ class SpeculativeDecoder:
         self.target.commit([list(range(n))])
         seq.result.target_calls = 1
         self.active.append(seq)
-        first = sample_token(logits[0, -1], sampling, seq.gen)
+        first = self.target.greedy_next(logits)[0] if sampling.greedy else sample_token(logits[0, -1], sampling, seq.gen)
         # The drafter pairs the target state of token t with the id of token t + 1.
         # a copy: a backend's outputs are valid until its next call of the same shape
         seq.pending_states, seq.pending_ids = self.target.keep_states(captured, [list(range(n))]), prompt[1:] + [first]
