@@ -150,7 +150,8 @@ class Bound:
     of the same shape (the decoder copies what it keeps: the accepted rows' states)."""
 
     def __init__(self, binding: CpuBinding, stagings: list[torch.Tensor]):
-        self.binding, self.io = binding, binding.io    # stagings: per KV cache the call writes, [2, L, b, Hkv, T, D]: new K, new V
+        self.binding, self.io = binding, binding.io
+        # stagings: per KV cache the call writes, [2, L, b, Hkv, T, D]: new K, new V
         # what the KV caches get to commit from: the same memory in numpy, where the cache has it
         self.staged_all = [s.numpy() if s.dtype in NUMPY_DTYPES else s for s in stagings]
         self.staged = self.staged_all[0]
