@@ -251,11 +251,17 @@ class IterationReference(nn.Module):
         tree = self.draft(captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths)
         tokens, tree_mask, depths = tree[0], tree[2], tree[3]
         ids = torch.cat((draft_ids.gather(1, (new_lengths - 1)[:, None]), tokens), 1)   # root: the last valid id
-        T, P = ids.shape[1], past[0].shape[2]
-        committed = torch.arange(P, device=ids.device)[None] < past_lengths[:, None]
-        mask = torch.cat((committed[:, None].expand(-1, T, -1), tree_mask), 2)
+        T = ids.shape[1]
+        mask = verification_mask(past_lengths, past[0].shape[2], tree_mask)
         return (*tree, ids, *self.verify(ids, past_lengths[:, None] + depths, mask,
                                          torch.arange(T, device=ids.device), *past))
+
+
+def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: torch.Tensor) -> torch.Tensor:
+    """The iteration graph's glue mask: each sequence's committed rows of a past of `past_rows`,
+    then its tree's own mask, for every row of the tree."""
+    committed = torch.arange(past_rows, device=tree_mask.device)[None] < past_lengths[:, None]
+    return torch.cat((committed[:, None].expand(-1, tree_mask.shape[1], -1), tree_mask), 2)
 
 
 def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path, dtype: str,
@@ -376,10 +382,8 @@ def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in feed.items()}
     if "attention_mask" not in t:     # the iteration graph: its verification inputs are its own (IterationReference)
         ids, tree_mask = (torch.from_numpy(np.asarray(got[n])) for n in ("input_ids", PREFIX + "tree_mask"))
-        T, P = ids.shape[1], t["past_key_0"].shape[2]
-        committed = torch.arange(P)[None] < t["past_lengths"][:, None]
-        t.update(input_ids=ids, attention_mask=torch.cat((committed[:, None].expand(-1, T, -1), tree_mask), 2),
-                 logits_index=torch.arange(T))
+        t.update(input_ids=ids, attention_mask=verification_mask(t["past_lengths"], t["past_key_0"].shape[2], tree_mask),
+                 logits_index=torch.arange(ids.shape[1]))
     out = greedy_accept(torch.from_numpy(np.asarray(got["logits"])).float(), t["input_ids"], t["attention_mask"],
                         t["logits_index"])
     return {n: _np(o) for n, o in zip(ACCEPT_OUTPUTS, out)}
