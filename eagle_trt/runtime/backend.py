@@ -177,19 +177,22 @@ class TargetBackend(_Batched):
         graph's own argmax where it computed its acceptance in the call that returned them (a
         prefill's is its last row's argmax), else on the host (torch's argmax over a 49k vocabulary
         costs 60-270 us on this CPU, per join)."""
-        done = self._graph_accept
-        if done is not None and done[0] is logits and logits.shape[1] == 1:
-            return done[3][:, 0].tolist()
+        if self._accepted_in_graph(logits) and logits.shape[1] == 1:
+            return self.accept_greedy(logits, None, None)[2][:, 0].tolist()
         return logits[:, -1].argmax(-1).tolist()
+
+    def _accepted_in_graph(self, logits: Tensor) -> bool:
+        """Whether the graph computed its greedy acceptance in the call that returned `logits`."""
+        done = self._graph_accept
+        return done is not None and done[0] is logits
 
     def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Greedy acceptance of the trees a verification call just scored: what the target graph
         computed in the call that returned `logits`, where it did (no second call, nothing
         computed on the host); else verify.accept_greedy_batch on the argmax of `logits`
         [b, T, V], where the logits are. Returns path [b, T], length [b], tokens [b, T]."""
-        done = self._graph_accept
-        if done is not None and done[0] is logits:
-            return done[1:]
+        if self._accepted_in_graph(logits):
+            return self._graph_accept[1:]
         return accept_greedy_batch(logits.argmax(-1), input_ids.to(logits.device), tree_mask.to(logits.device))
 
 

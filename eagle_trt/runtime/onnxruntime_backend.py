@@ -341,8 +341,7 @@ class OrtTarget(_Timed, TargetBackend):
     def accept_greedy(self, logits, input_ids, tree_mask):
         """The graph's acceptance as numpy views of its output buffers: the loop's `tolist` is
         ~1 us on them, 5-10 on the tensors after a graph call."""
-        done = self._graph_accept
-        if done is not None and done[0] is logits:
+        if self._accepted_in_graph(logits):
             return tuple(self._last.arrays[n] for n in ACCEPT_OUTPUTS)
         return super().accept_greedy(logits, input_ids, tree_mask)
 
