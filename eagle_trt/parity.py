@@ -33,7 +33,7 @@ from .export.graphs import (
     TargetGraph,
     target_io_names,
 )
-from .export.iteration import PREFIX
+from .export.iteration import HANDOFF, PREFIX
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget, causal_mask
 
@@ -52,7 +52,8 @@ TOLERANCES = {
 }
 EXACT_OUTPUTS = {"tree_tokens", "tree_parents", "tree_mask", "tree_depths", "accept_path", "accept_length",
                  "accept_tokens"}
-EXACT_OUTPUTS |= {PREFIX + n for n in EXACT_OUTPUTS} | {"input_ids"}   # the iteration graph's, and its verified ids
+# the iteration graph's, its verified ids and the ids it hands to its next call
+EXACT_OUTPUTS |= {PREFIX + n for n in EXACT_OUTPUTS} | {"input_ids", "next_input_ids"}
 
 
 def tolerance_for(output: str, dtype: str, reference: list[dict[str, np.ndarray]] | None = None
@@ -240,7 +241,8 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
 
 class IterationReference(nn.Module):
     """The iteration graph (export/iteration.py) in PyTorch: the drafter tree graph, the glue that
-    builds the verification inputs from its trees and the committed lengths, the target graph."""
+    builds the verification inputs from its trees and the committed lengths, the target graph,
+    and the hand-off (the accepted rows' states and tokens in the shape of the drafter's inputs)."""
 
     def __init__(self, target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape):
         super().__init__()
@@ -253,8 +255,10 @@ class IterationReference(nn.Module):
         ids = torch.cat((draft_ids.gather(1, (new_lengths - 1)[:, None]), tokens), 1)   # root: the last valid id
         T = ids.shape[1]
         mask = verification_mask(past_lengths, past[0].shape[2], tree_mask)
-        return (*tree, ids, *self.verify(ids, past_lengths[:, None] + depths, mask,
-                                         torch.arange(T, device=ids.device), *past))
+        verified = self.verify(ids, past_lengths[:, None] + depths, mask, torch.arange(T, device=ids.device), *past)
+        path, tokens = verified[2][:, :captured.shape[1]], verified[4][:, :captured.shape[1]]
+        states = verified[1].gather(1, path[:, :, None].expand(-1, -1, verified[1].shape[-1]))
+        return (*tree, ids, *verified, states.to(captured.dtype), tokens)
 
 
 def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: torch.Tensor) -> torch.Tensor:
@@ -272,7 +276,7 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
     drafter states and pasts, each sequence with its own committed and new lengths."""
     cfg, c = target.cfg, drafter.cfg
     _, target_outputs = target_io_names(cfg.num_hidden_layers)
-    names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_outputs
+    names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_outputs + list(HANDOFF)
     module = IterationReference(target, drafter, shape).eval()
     case = GraphCase("iteration", graph, dtype)
     gen = torch.Generator().manual_seed(seed)

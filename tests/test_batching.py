@@ -8,6 +8,7 @@ import copy
 import functools
 import threading
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -17,7 +18,7 @@ from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.export.iteration import IterationGraphError, compose_iteration
-from eagle_trt.runtime.backend import TargetBackend, TorchDrafter, TorchTarget
+from eagle_trt.runtime.backend import KeptRows, TargetBackend, TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
@@ -469,6 +470,50 @@ def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_g
     for a, b in ((t0.cache, t1.cache), (d0.cache, d1.cache)):
         n = max(a.lengths)
         assert torch.equal(a.kv[:, :, :3, :, :n], b.kv[:, :, :3, :, :n])
+
+
+def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(setup, iteration_graph):
+    """The iteration graph gathers the accepted rows' states and tokens (next_captured,
+    next_input_ids) and the next call reads them where the graph wrote them: each step's block
+    equals the host's gather of the captured states and the decoder's pending ids, and decoding
+    with the hand-off drafts the same trees (accept lengths) and tokens as copying the states in
+    on the host, at batch 1, 3 and 8 with sequences leaving."""
+    _, _, _, prompts = setup
+    target, drafter = _backends(setup, "onnxruntime")
+    iteration = OrtIteration(iteration_graph, target, drafter)
+    assert iteration.has_handoff and iteration.handoff
+    host_gathers = []
+
+    def keep_states(captured, paths, index=None):      # the decoder's call, and the host's gather beside it
+        host_gathers.append([r.copy() for r in OrtTarget.keep_states(target, captured, paths, None)])
+        return OrtTarget.keep_states(target, captured, paths, index)
+
+    target.keep_states = keep_states
+    decoder = SpeculativeDecoder(target, drafter, [], iteration=iteration)
+    for p, n in zip(prompts[:3], (30, 12, 21)):
+        decoder.add(Request(p, n))
+    checked = 0
+    while decoder.active:
+        batch = list(decoder.active)
+        decoder.step()
+        kept = decoder.kept
+        if isinstance(kept, KeptRows):
+            checked += 1
+            for i, (s, rows, host) in enumerate(zip(batch, kept, host_gathers[-1])):
+                assert np.array_equal(rows, host) and kept.ids[i, :len(rows)].tolist() == s.pending_ids
+    assert checked > 5 and iteration.handoffs > 0
+    del target.keep_states
+    limits = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
+    runs = {}
+    for handoff in (True, False):
+        iteration = OrtIteration(iteration_graph, target, drafter, handoff=handoff)
+        for batch in (1, 3, 8):
+            results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+                [Request(p, n) for p, n in zip(prompts, limits)], max_batch=batch)
+            runs[handoff, batch] = [(r.tokens, r.accept_lengths) for r in results]
+        assert (iteration.handoffs > 0) == handoff
+    for batch in (1, 3, 8):
+        assert runs[True, batch] == runs[False, batch], f"batch {batch}: the hand-off drafted other trees"
 
 
 def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(setup, iteration_graph, tmp_path):

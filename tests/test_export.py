@@ -17,7 +17,7 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
 from eagle_trt.export.graphs import kv_heads_and_dim
-from eagle_trt.export.iteration import compose_iteration
+from eagle_trt.export.iteration import PREFIX, compose_iteration
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
@@ -325,6 +325,22 @@ def test_fp16_target_graph_runs_and_stays_close(tiny_target, tmp_path):
     assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
     ref32 = target_case(tiny_target.model, path, "float32", [list(range(3, 30))]).reference[1]["logits"]
     assert np.abs(case.reference[1]["logits"].astype(np.float32) - ref32).max() < 0.1
+    # composed with a float32 drafter: the hand-off casts the fp16 states to what the drafter takes
+    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    tree_graph = export_drafter_tree(drafter, SHAPE, tmp_path / "drafter_tree.onnx").path
+    session = make_session(compose_iteration(path, tree_graph, tmp_path / "iteration.onnx").path)
+    feed = {i.name: np.zeros([d if isinstance(d, int) else 1 if d == "batch" else 0 for d in i.shape],
+                             np.float16 if i.type == "tensor(float16)" else np.float32)
+            for i in session.get_inputs() if i.type != "tensor(int64)"}
+    gen = np.random.default_rng(0)
+    feed[PREFIX + "captured"] = gen.standard_normal((1, 3, feed[PREFIX + "captured"].shape[-1]), dtype=np.float32)
+    feed.update({PREFIX + "input_ids": np.array([[5, 6, 7]]), PREFIX + "past_lengths": np.array([0]),
+                 PREFIX + "new_lengths": np.array([3]), "past_lengths": np.array([0])})
+    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    path_rows = out["accept_path"][0, :3]
+    assert out["next_captured"].dtype == np.float32 and out["captured"].dtype == np.float16
+    assert np.array_equal(out["next_captured"][0], out["captured"][0, path_rows].astype(np.float32))
+    assert np.array_equal(out["next_input_ids"], out["accept_tokens"][:, :3])
 
 
 def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):

@@ -13,7 +13,7 @@ import onnx
 import torch
 
 from ..config import TreeShape
-from .iteration import compose_iteration
+from .iteration import ITERATION_FORMAT, compose_iteration
 from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
 from .opcheck import UnsupportedGraph, check_graph
 
@@ -94,7 +94,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
         only = (*only, "drafter_tree")     # quantized from it
     target_path = Path(target_graph) if target_graph is not None else out_dir / "target.onnx"
     for name, drafter in iterations:
-        jobs[name] = (dict(jobs[drafter][0], composed_with=str(target_path)),
+        jobs[name] = (dict(jobs[drafter][0], composed_with=str(target_path), iteration_format=ITERATION_FORMAT),
                       lambda p, d=drafter: compose_iteration(target_path, out_dir / f"{d}.onnx", p,
                                                              tensorrt=d == "drafter_tree"))
     if step_graphs:

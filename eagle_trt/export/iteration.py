@@ -15,12 +15,22 @@ iteration:  drafter.captured [B,Tp,A*Ht], drafter.input_ids [B,Tp] i64, drafter.
         ->  drafter.tree_tokens, drafter.tree_parents, drafter.tree_mask, drafter.tree_depths,
             drafter.tree_scores, drafter.new_key, drafter.new_value (the drafter graph's outputs),
             input_ids [B,1+N] (root, then the tree's tokens), logits [B,1+N,V], captured [B,1+N,A*H],
-            accept_path, accept_length, accept_tokens, new_key_{i}, new_value_{i} (the target's)
+            accept_path, accept_length, accept_tokens, new_key_{i}, new_value_{i} (the target's),
+            next_captured [B,Tp,A*Ht], next_input_ids [B,Tp] i64 (the hand-off: the next call's
+            drafter.captured and drafter.input_ids, with accept_length its drafter.new_lengths)
 
 glue: root = drafter.input_ids[b, new_lengths[b] - 1]; input_ids = [root, tree_tokens];
 position_ids = past_lengths + tree_depths; attention_mask = [row < past_lengths for each of the P
 past rows, tree_mask]; logits_index = 0..N (every row). The two graphs are composed as they are
-on disk, so each keeps its own precision (the int8 drafter ONNX Runtime serves, FP8 Q/DQ ...)."""
+on disk, so each keeps its own precision (the int8 drafter ONNX Runtime serves, FP8 Q/DQ ...).
+
+hand-off (after the target): next_captured[b, j] = captured[b, accept_path[b, j]] and
+next_input_ids[b, j] = accept_tokens[b, j] for j < Tp (this call's drafter rows, which must be at
+least the tree's depth + 1 to hold every accepted path), cast to the drafter's input type: the
+accepted rows' states and the ids one position later, in path order, with the next call's
+drafter input shapes. A runtime binds them as the next call's drafter inputs (two buffers in
+turn), so the accepted states never pass through the host; rows past a path's length are
+padding (row 0's state and token)."""
 from __future__ import annotations
 
 import shutil
@@ -39,6 +49,8 @@ from .opcheck import check_graph
 PREFIX = "drafter."
 TARGET_FED = ("input_ids", "position_ids", "attention_mask", "logits_index")   # made by the glue
 GLUE = "iteration_glue/"
+HANDOFF = ("next_captured", "next_input_ids")   # the next call's drafter.captured and drafter.input_ids
+ITERATION_FORMAT = 2   # 2: the hand-off outputs
 
 
 class IterationGraphError(ValueError):
@@ -80,6 +92,29 @@ def _glue_nodes(nodes: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto
         n("Concat", [g + "committed", d + "tree_mask"], ["attention_mask"], axis=2),
         n("Identity", [g + "logits_index"], ["logits_index"]),
     ], consts
+
+
+def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The accepted rows' captured states and ids in path order, as the next call's drafter inputs
+    (docstring): a Slice of the paths to this call's drafter rows, one GatherElements."""
+    g, d = GLUE, PREFIX
+    consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), g + name) for name, v in
+              (("starts", [0]), ("row_axis", [1]), ("rows_at", [1]), ("rows_end", [2]), ("axis2", [2]),
+               ("width", [1, 1, width]))]
+    n = helper.make_node
+    gathered = g + "next_captured" if cast_to is not None else "next_captured"
+    nodes = [
+        n("Shape", [d + "captured"], [g + "drafter_shape"]),
+        n("Slice", [g + "drafter_shape", g + "rows_at", g + "rows_end"], [g + "drafter_rows"]),
+        n("Slice", ["accept_path", g + "starts", g + "drafter_rows", g + "row_axis"], [g + "next_path"]),
+        n("Slice", ["accept_tokens", g + "starts", g + "drafter_rows", g + "row_axis"], ["next_input_ids"]),
+        n("Unsqueeze", [g + "next_path", g + "axis2"], [g + "next_path_col"]),
+        n("Expand", [g + "next_path_col", g + "width"], [g + "next_index"]),
+        n("GatherElements", ["captured", g + "next_index"], [gathered], axis=1),
+    ]
+    if cast_to is not None:      # a target capturing in another precision than the drafter takes
+        nodes.append(n("Cast", [gathered], ["next_captured"], to=cast_to))
+    return nodes, consts
 
 
 def _prefix_dims(graph: onnx.GraphProto) -> None:
@@ -129,13 +164,18 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     onnx.compose.add_prefix(drafter, PREFIX, inplace=True)
     _prefix_dims(drafter.graph)
     glue, consts = _glue_nodes(nodes)
+    t_type, d_type = (v.type.tensor_type.elem_type for v in (t_out["captured"], d_in["captured"]))
+    handoff, handoff_consts = _handoff_nodes(widths[0], d_type if d_type != t_type else None)
+    rows = d_in["captured"].type.tensor_type.shape.dim[1]
+    rows = rows.dim_value if rows.HasField("dim_value") else rows.dim_param    # prefixed by _prefix_dims
     graph = helper.make_graph(
-        [*drafter.graph.node, *glue, *target.graph.node], "eagle_trt_iteration",
+        [*drafter.graph.node, *glue, *target.graph.node, *handoff], "eagle_trt_iteration",
         [*drafter.graph.input, helper.make_tensor_value_info("past_lengths", TensorProto.INT64, ["batch"]),
          *(i for i in target.graph.input if i.name not in TARGET_FED)],
         [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", nodes + 1]),
-         *target.graph.output],
-        [*drafter.graph.initializer, *consts, *target.graph.initializer])
+         *target.graph.output, helper.make_tensor_value_info("next_captured", d_type, ["batch", rows, widths[0]]),
+         helper.make_tensor_value_info("next_input_ids", TensorProto.INT64, ["batch", rows])],
+        [*drafter.graph.initializer, *consts, *handoff_consts, *target.graph.initializer])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
                               ir_version=max(target.ir_version, drafter.ir_version),
                               producer_name="eagle_trt", doc_string=__doc__.split("\n\n")[0])

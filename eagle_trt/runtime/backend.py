@@ -105,6 +105,16 @@ def _row_numbers(width: int, device: torch.device) -> Tensor:
     return torch.arange(width, device=device)
 
 
+class KeptRows(list):
+    """keep_states' rows per sequence as views of one block the next drafting call can take as
+    it is: `states` [B, Tp, W] and `ids` [B, Tp] (the accepted tokens), row i sequence i's, rows
+    past its length padding. An iteration graph's hand-off: the graph gathered them itself."""
+
+    def __init__(self, rows: list, states, ids):
+        super().__init__(rows)
+        self.states, self.ids = states, ids
+
+
 class TargetBackend(_Batched):
     max_context: int
     # (logits, path, length, tokens) of the last call, where the target graph computed its own

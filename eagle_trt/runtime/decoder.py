@@ -30,7 +30,7 @@ from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
 from ..tree import DraftTree, rank_desc
 from ..verify import accept_sampled, sample_token
-from .backend import DrafterBackend, TargetBackend
+from .backend import DrafterBackend, KeptRows, TargetBackend
 from .cost import CostModel, NodeTrim
 
 
@@ -179,6 +179,7 @@ class SpeculativeDecoder:
         self.trim = trim if drafter is not None else None
         self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
         self.verified: list[int] = []         # draft nodes verified per sequence, per iteration
+        self.kept: list | None = None         # the last step's keep_states (an iteration graph's hand-off)
 
     @property
     def nodes(self) -> int:
@@ -205,7 +206,7 @@ class SpeculativeDecoder:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.active = []
+        self.active, self.kept = [], None
 
     def add(self, request: Request) -> Sequence:
         """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
@@ -252,6 +253,17 @@ class SpeculativeDecoder:
         """Pending rows beyond what one iteration accepts (a new prompt, plain steps): encoded alone."""
         return len(s.pending_ids) - 1 if len(s.pending_ids) > self.drafter.shape.depth + 1 else 0
 
+    def _handed_off(self, batch: list[Sequence]) -> KeptRows | None:
+        """The last step's hand-off (the iteration graph's own block of the accepted rows), where
+        it is still exactly what this batch encodes: the same sequences in the same slots, each
+        with only the rows that step accepted pending."""
+        kept = self.kept
+        if not isinstance(kept, KeptRows) or len(kept) != len(batch):
+            return None
+        if all(len(s.pending_states) == 1 and s.pending_states[0] is k for s, k in zip(batch, kept)):
+            return kept
+        return None
+
     def _draft(self, batch: list[Sequence], one_call: bool = False) -> tuple[DraftTree, float, tuple | None]:
         """The batch's trees, the seconds spent catching the drafter up on backlogs, and with
         one_call (the iteration graph) the verification's outputs (None: the target verifies)."""
@@ -269,7 +281,10 @@ class SpeculativeDecoder:
             self.cost_model.time_catch_up(rows, catch_up)
         lengths = [len(s.pending_ids) for s in batch]
         T = max(lengths)
-        if len(batch) == 1:             # one sequence: its rows as they are
+        handoff = self._handed_off(batch) if one_call else None
+        if handoff is not None:         # in place, as the last iteration graph call gathered them
+            states, ids = handoff.states, handoff.ids
+        elif len(batch) == 1:           # one sequence: its rows as they are
             states, ids = batch[0].pending_states[0][None], [batch[0].pending_ids]
         else:                           # padded to T rows; padding rows are never committed nor seen
             states = _pad_rows([s.pending_states[0] for s in batch], T)
@@ -349,6 +364,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:   # what the drafter encodes when the batch next drafts
             greedy_paths = all(s.request.sampling.greedy for s in batch)   # then path_t is the index
             kept = self.target.keep_states(captured, paths, path_t if greedy_paths else None)
+        self.kept = kept
         for i, (s, path, new) in enumerate(zip(batch, paths, news)):
             s.result.target_calls += 1
             s.result.accept_lengths.append(len(new))

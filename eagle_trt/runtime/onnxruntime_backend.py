@@ -23,9 +23,9 @@ import torch
 
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
-from ..export.iteration import PREFIX
+from ..export.iteration import HANDOFF, PREFIX
 from ..tree import DraftTree
-from .backend import DrafterBackend, TargetBackend, logits_rows, tree_from_outputs
+from .backend import DrafterBackend, KeptRows, TargetBackend, logits_rows, tree_from_outputs
 from .kv_cache import CHUNK
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
@@ -276,6 +276,7 @@ class OrtTarget(_Timed, TargetBackend):
     token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
     need it, but FP8 activations turn such last-bit differences into different tokens."""
     _last: Bound | None = None        # the last call's binding: its outputs' numpy arrays
+    _handoff: tuple[np.ndarray, np.ndarray] | None = None   # the last call's hand-off (OrtIteration)
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
                  **session_kwargs):
@@ -334,7 +335,7 @@ class OrtTarget(_Timed, TargetBackend):
         out = bound.buffers
         if self.graph_accepts:
             self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
-        self._last = bound
+        self._last, self._handoff = bound, None
         self._run_graph(bound.io)
         return out["logits"], out["captured"], bound.staged, None     # K and V rows as one block
 
@@ -350,8 +351,12 @@ class OrtTarget(_Timed, TargetBackend):
         a slice where every path is the same run of rows (plain steps: each sequence's one row),
         else one gather of every path's rows; each sequence's rows are a view of that copy
         (torch's index_select and reshapes cost ~130 us here right after a graph call, and a
-        copy per sequence 4x the one copy)."""
+        copy per sequence 4x the one copy). After an iteration graph call with greedy paths
+        (index: its accept_path), views of the rows the graph gathered itself (KeptRows)."""
         last = self._last
+        if self._handoff is not None and index is not None and index is last.arrays["accept_path"]:
+            states, ids = self._handoff
+            return KeptRows([states[i, :len(p)] for i, p in enumerate(paths)], states, ids)
         array = last.arrays["captured"] if last is not None and captured is last.buffers["captured"] else captured.numpy()
         first, rows = paths[0][0], len(paths[0])
         if all(p[0] == first and len(p) == rows and p[-1] - first == rows - 1 for p in paths):
@@ -441,10 +446,17 @@ class OrtIteration(_Timed):
     It works on the target's and drafter's own backends (their caches, slots and bookkeeping),
     so the decoder uses it where an iteration verifies every node and the two-call path for the
     rest (prefills, catching the drafter up on a long backlog). Its outputs are read as the
-    backends' own: the target's accept_greedy and keep_states see this call's buffers."""
+    backends' own: the target's accept_greedy and keep_states see this call's buffers.
+
+    The hand-off: the graph gathers the accepted rows' states and tokens into the shape of its
+    own drafter inputs (next_captured, next_input_ids). Each binding has two buffers of each,
+    which a call reads and writes in turn, so the next call takes this one's hand-off where the
+    graph wrote it (keep_states hands the decoder views of it, and the decoder passes the block
+    back when the batch is the same): the accepted states are never copied on the host.
+    handoff=False (or a graph composed before the hand-off) copies the inputs in every call."""
 
     def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = None,
-                 **session_kwargs):
+                 handoff: bool = True, **session_kwargs):
         self.session = make_session(path, threads, **session_kwargs)
         self.target, self.drafter = target, drafter
         inputs = {i.name for i in self.session.get_inputs()}
@@ -460,6 +472,9 @@ class OrtIteration(_Timed):
         # padding): one binding per batch size instead of one per accept length, so a re-layout
         # of the target's cache rebinds its 2L pasts once, not once per length
         self.min_rows = drafter.shape.depth + 1
+        self.has_handoff = set(HANDOFF) <= {o.name for o in self.session.get_outputs()}
+        self.handoff = handoff and self.has_handoff
+        self.handoffs = 0     # calls whose drafter inputs were the last call's hand-off, in place
         names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
         self.bindings = Bindings(self.session, names, self._buffers)
 
@@ -476,11 +491,26 @@ class OrtIteration(_Timed):
         bound.buffer("captured", t.captured_dtype, [b, T, t.captured_width], output=True)
         for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
             bound.buffer(name, torch.int64, shape, output=True)
+        if self.has_handoff:     # the other buffer of each drafter input: where a call writes the next's
+            bound.buffer("next_captured", d.captured_dtype, [b, Tp, d.captured_width], output=True).zero_()
+            bound.buffer("next_input_ids", torch.int64, [b, Tp], output=True).zero_()
+
+    @staticmethod
+    def _turn(bound: Bound) -> None:
+        """The hand-off the call wrote becomes the next call's drafter inputs, and the inputs it
+        read the buffers the next call writes (four binds by address, a few microseconds)."""
+        buffers, arrays = bound.buffers, bound.arrays
+        for given, handed in zip((PREFIX + "captured", PREFIX + "input_ids"), HANDOFF):
+            buffers[given], buffers[handed] = buffers[handed], buffers[given]
+            arrays[given], arrays[handed] = arrays[handed], arrays[given]
+            bound.binding.bind(given, buffers[given])
+            bound.binding.bind(handed, buffers[handed], output=True)
 
     def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None):
         """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
         each sequence's root (its last valid input id) and whole tree, in one call. Returns the
-        trees and what verify returns: logits, captured, input ids and the tree mask."""
+        trees and what verify returns: logits, captured, input ids and the tree mask. captured and
+        input_ids may be the last call's hand-off (KeptRows.states / .ids): then nothing is copied."""
         t, d, p = self.target, self.drafter, PREFIX
         Tp, T = int(captured.shape[1]), 1 + self.nodes
         rows = max(Tp, self.min_rows)
@@ -488,12 +518,18 @@ class OrtIteration(_Timed):
         slots, committed, t_width = t._stage(slots, T)
         bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
         a = bound.arrays
-        a[p + "captured"][:, :Tp] = captured     # rows past Tp: an earlier call's (finite), never seen
-        a[p + "input_ids"][:, :Tp] = input_ids
+        if captured is a[p + "captured"] and input_ids is a[p + "input_ids"]:
+            self.handoffs += 1                   # the last call's hand-off, where it wrote it
+        else:
+            a[p + "captured"][:, :Tp] = captured     # rows past Tp: an earlier call's (finite), never seen
+            a[p + "input_ids"][:, :Tp] = input_ids
         bound.feed(**{p + "past_lengths": drafted, p + "new_lengths": new_lengths, "past_lengths": committed})
         out = bound.buffers
         t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
         self._run_graph(bound.io)
+        if self.handoff:
+            self._turn(bound)
+        t._handoff = (a[p + "captured"], a[p + "input_ids"]) if self.handoff else None
         d.commit_new_rows(bound.staged_all[1], None, new_lengths)
         t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
         tree = bound.draft_tree(PREFIX)
