@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--cumulative", action="store_true", help="the profiler's table by time including callees")
     p.add_argument("--iteration-graph", action="store_true", help="drafting and verification in one graph call "
                    "(export/iteration.py) where an iteration verifies whole trees, as the Triton model runs it")
+    p.add_argument("--no-handoff", action="store_true", help="with --iteration-graph: copy the drafter's inputs "
+                   "in on the host every call instead of taking the last call's hand-off in place (an A/B)")
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
                    "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
@@ -112,6 +114,8 @@ def main(argv=None) -> int:
     ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
                            models.target.config.max_position_embeddings, models.eos_ids,
                            models.target.config.vocab_size, threads=args.threads, iteration_graph=graphs.get("iteration"))
+    if ort.iteration is not None:
+        ort.iteration.handoff = ort.iteration.has_handoff and not args.no_handoff
     ort.warm_up(prompts[0])
     batched = None
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
     measured = prompts[held_out:]
     sessions = ort.sessions
     made = [(b.made, b.rebound) for b in (s.bindings for s in sessions.values())]
-    counted = 0
+    counted, calls = 0, ort.iteration and (ort.iteration.graph_calls, ort.iteration.handoffs)
     for k in range(args.runs):
         wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
         if batched is not None:
@@ -132,6 +136,9 @@ def main(argv=None) -> int:
               f"{iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which graph calls "
               f"{1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms", flush=True)
         counted += iterations
+    if ort.iteration is not None:
+        print(f"iteration graph calls taking the last call's hand-off in place: {ort.iteration.handoffs - calls[1]} "
+              f"of {ort.iteration.graph_calls - calls[0]}")
     made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((s.bindings for s in sessions.values()), made)]
     print("ONNX Runtime bindings per iteration (made new / past bound again): " + ", ".join(
         f"{role.removesuffix('_graph')} {m / counted:.2f} / {r / counted:.2f}" for role, (m, r) in zip(sessions, made)))

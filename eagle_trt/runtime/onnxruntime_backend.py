@@ -129,7 +129,35 @@ class CpuBinding:
             self.io.bind_input(name, "cpu", 0, NUMPY_DTYPES[tensor.dtype], shape, address)
 
 
-def bind_past(binding: CpuBinding, cache, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
+class TwinBinding:
+    """Two IOBindings of one session that bind every name alike but for pairs bound crossed over
+    (`bind_crossed`): side 0 reads the first buffer and writes the second, side 1 the other way
+    round. A call runs one side (`io`) and `turn` picks the other, so what a call writes is the
+    next call's input without a bind made (a bind right after a graph call costs 10-15 us on
+    this CPU: rebinding the pair each call cost more than the host copy it saved)."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.sides, self.side = [CpuBinding(session), CpuBinding(session)], 0
+
+    @property
+    def io(self) -> ort.IOBinding:
+        return self.sides[self.side].io
+
+    def bind(self, *args, **kwargs) -> None:
+        for side in self.sides:
+            side.bind(*args, **kwargs)
+
+    def bind_crossed(self, given: str, handed: str, first: torch.Tensor, second: torch.Tensor) -> None:
+        """Input `given` and output `handed`: side 0 reads `first`, writes `second`; side 1 the reverse."""
+        for side, (read, written) in zip(self.sides, ((first, second), (second, first))):
+            side.bind(given, read)
+            side.bind(handed, written, output=True)
+
+    def turn(self) -> None:
+        self.side = 1 - self.side
+
+
+def bind_past(binding: CpuBinding | TwinBinding, cache, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
     """Bind the past rows of `layer` in place: [b, Hkv, width, D] of the cache's own memory, by
     address (a block of slots is contiguous when width is every row of the cache, as a
     contiguous-past backend binds it, or empty, as a prefill does)."""
@@ -149,8 +177,8 @@ class Bound:
     bindings and allocates nothing. Outputs are therefore valid until the backend's next call
     of the same shape (the decoder copies what it keeps: the accepted rows' states)."""
 
-    def __init__(self, binding: CpuBinding, stagings: list[torch.Tensor]):
-        self.binding, self.io = binding, binding.io
+    def __init__(self, binding: CpuBinding | TwinBinding, stagings: list[torch.Tensor]):
+        self.binding = binding
         # stagings: per KV cache the call writes, [2, L, b, Hkv, T, D]: new K, new V
         # what the KV caches get to commit from: the same memory in numpy, where the cache has it
         self.staged_all = [s.numpy() if s.dtype in NUMPY_DTYPES else s for s in stagings]
@@ -160,6 +188,11 @@ class Bound:
         self.layout: tuple | None = None             # the cache layout its past inputs are bound to
         self.tree = None                             # a drafter's DraftTree over its output buffers (draft_tree)
         self.mask_lengths: list[int] | None = None   # the committed lengths the target's mask shows (verify)
+        self.handoff: list[tuple[np.ndarray, ...]] = []   # a TwinBinding's crossed buffers, per side: what it reads
+
+    @property
+    def io(self) -> ort.IOBinding:
+        return self.binding.io
 
     def draft_tree(self, prefix: str = "") -> DraftTree:
         """The drafter graph's trees over this binding's output buffers (names `prefix` + name),
@@ -204,15 +237,16 @@ class Bindings:
     makes the other buffers."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[list[tuple[str, str, str, str]]], buffers,
-                 width_buffers=None, keep: int = 16, keep_rows: int = 16):
+                 width_buffers=None, keep: int = 16, keep_rows: int = 16, twin: bool = False):
         self.session, self.kv_names, self.keep, self.keep_rows = session, kv_names, keep, keep_rows
+        self.twin = twin                      # TwinBinding entries (OrtIteration's hand-off)
         self.make_buffers, self.make_width_buffers = buffers, width_buffers
         self.entries: dict[tuple, Bound] = {}
         self.made = self.rebound = 0          # entries made, entries whose past was bound again (profiling)
 
     def empty_copy(self) -> "Bindings":
         return Bindings(self.session, self.kv_names, self.make_buffers, self.make_width_buffers, self.keep,
-                        self.keep_rows)
+                        self.keep_rows, self.twin)
 
     def get(self, slots: range, caches: list[tuple], *extra: int) -> Bound:
         """The binding of a call over `slots` with, per KV cache the graph reads (kv_names' order),
@@ -223,7 +257,7 @@ class Bindings:
         if entry is None:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
-            binding, stagings = CpuBinding(self.session), []
+            binding, stagings = (TwinBinding if self.twin else CpuBinding)(self.session), []
             for (cache, T, _), names in zip(caches, self.kv_names):
                 _, _, _, H, _, D = cache.shape
                 staging = torch.empty((2, len(names), len(slots), H, T, D), dtype=cache.dtype)
@@ -449,10 +483,11 @@ class OrtIteration(_Timed):
     backends' own: the target's accept_greedy and keep_states see this call's buffers.
 
     The hand-off: the graph gathers the accepted rows' states and tokens into the shape of its
-    own drafter inputs (next_captured, next_input_ids). Each binding has two buffers of each,
-    which a call reads and writes in turn, so the next call takes this one's hand-off where the
-    graph wrote it (keep_states hands the decoder views of it, and the decoder passes the block
-    back when the batch is the same): the accepted states are never copied on the host.
+    own drafter inputs (next_captured, next_input_ids). Each binding has two buffers of each and
+    two sides (TwinBinding) that read and write them crossed over, used in turn, so the next
+    call takes this one's hand-off where the graph wrote it, with no bind made (keep_states
+    hands the decoder views of it, and the decoder passes the block back when the batch is the
+    same): the accepted states are never copied on the host.
     handoff=False (or a graph composed before the hand-off) copies the inputs in every call."""
 
     def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = None,
@@ -476,12 +511,19 @@ class OrtIteration(_Timed):
         self.handoff = handoff and self.has_handoff
         self.handoffs = 0     # calls whose drafter inputs were the last call's hand-off, in place
         names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
-        self.bindings = Bindings(self.session, names, self._buffers)
+        self.bindings = Bindings(self.session, names, self._buffers, twin=self.has_handoff)
 
     def _buffers(self, bound: Bound, b: int, T: int, Tp: int) -> None:
         t, d, p = self.target, self.drafter, PREFIX
-        bound.buffer(p + "captured", d.captured_dtype, [b, Tp, d.captured_width], output=False).zero_()
-        bound.buffer(p + "input_ids", torch.int64, [b, Tp], output=False).zero_()   # padding: valid ids
+        drafter_inputs = ((p + "captured", d.captured_dtype, [b, Tp, d.captured_width]), (p + "input_ids", torch.int64, [b, Tp]))
+        if self.has_handoff:     # two of each, read and written in turn by the TwinBinding's sides
+            pairs = [[torch.zeros(shape, dtype=dtype) for _ in range(2)] for _, dtype, shape in drafter_inputs]
+            for (given, _, _), handed, (first, second) in zip(drafter_inputs, HANDOFF, pairs):
+                bound.binding.bind_crossed(given, handed, first, second)
+            bound.handoff = [tuple(pair[side].numpy() for pair in pairs) for side in range(2)]
+        else:                    # padding ids zero: valid ids
+            bound.handoff = [tuple(bound.buffer(name, dtype, shape, output=False).zero_().numpy()
+                                   for name, dtype, shape in drafter_inputs)]
         for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
             bound.buffer(name, torch.int64, [b], output=False)
         for name, (dtype, shape) in self.tree_outputs.items():
@@ -491,20 +533,6 @@ class OrtIteration(_Timed):
         bound.buffer("captured", t.captured_dtype, [b, T, t.captured_width], output=True)
         for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
             bound.buffer(name, torch.int64, shape, output=True)
-        if self.has_handoff:     # the other buffer of each drafter input: where a call writes the next's
-            bound.buffer("next_captured", d.captured_dtype, [b, Tp, d.captured_width], output=True).zero_()
-            bound.buffer("next_input_ids", torch.int64, [b, Tp], output=True).zero_()
-
-    @staticmethod
-    def _turn(bound: Bound) -> None:
-        """The hand-off the call wrote becomes the next call's drafter inputs, and the inputs it
-        read the buffers the next call writes (four binds by address, a few microseconds)."""
-        buffers, arrays = bound.buffers, bound.arrays
-        for given, handed in zip((PREFIX + "captured", PREFIX + "input_ids"), HANDOFF):
-            buffers[given], buffers[handed] = buffers[handed], buffers[given]
-            arrays[given], arrays[handed] = arrays[handed], arrays[given]
-            bound.binding.bind(given, buffers[given])
-            bound.binding.bind(handed, buffers[handed], output=True)
 
     def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None):
         """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
@@ -517,19 +545,21 @@ class OrtIteration(_Timed):
         slots, drafted, d_width = d._stage(slots, rows)
         slots, committed, t_width = t._stage(slots, T)
         bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
-        a = bound.arrays
-        if captured is a[p + "captured"] and input_ids is a[p + "input_ids"]:
+        side = bound.binding.side if self.has_handoff else 0
+        given_states, given_ids = bound.handoff[side]    # the drafter inputs this call reads
+        if captured is given_states and input_ids is given_ids:
             self.handoffs += 1                   # the last call's hand-off, where it wrote it
         else:
-            a[p + "captured"][:, :Tp] = captured     # rows past Tp: an earlier call's (finite), never seen
-            a[p + "input_ids"][:, :Tp] = input_ids
+            given_states[:, :Tp] = captured      # rows past Tp: an earlier call's (finite), never seen
+            given_ids[:, :Tp] = input_ids
         bound.feed(**{p + "past_lengths": drafted, p + "new_lengths": new_lengths, "past_lengths": committed})
         out = bound.buffers
         t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
         self._run_graph(bound.io)
-        if self.handoff:
-            self._turn(bound)
-        t._handoff = (a[p + "captured"], a[p + "input_ids"]) if self.handoff else None
+        t._handoff = None
+        if self.handoff:     # what it wrote is what the other side reads: the next call's inputs
+            bound.binding.turn()
+            t._handoff = bound.handoff[bound.binding.side]
         d.commit_new_rows(bound.staged_all[1], None, new_lengths)
         t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
         tree = bound.draft_tree(PREFIX)
