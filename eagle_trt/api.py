@@ -120,9 +120,11 @@ BACKENDS = ("torch", "onnxruntime")
 
 def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str | None = "float32",
                   log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
-                  device: str = "cpu") -> Pipeline:
+                  device: str = "cpu", iteration_graph: bool = True) -> Pipeline:
     """backend 'torch' runs the PyTorch models on `device`; 'onnxruntime' exports the target and
-    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on the CPU."""
+    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on the CPU,
+    with iteration_graph (the default, as the build serves) also the two composed into one graph
+    called once an iteration (export/iteration.py); the drafter graph still encodes prompts."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "onnxruntime":
@@ -132,17 +134,21 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
         device = "cpu"
     models = prepare_models(target_spec, drafter_path, dtype, log, device)
     dtype = str(models.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    iteration = None
     if backend == "torch":
         target_backend, drafter_backend = TorchTarget(models.target.model), TorchDrafter(models.drafter, shape)
     else:
         from .export import export_pipeline
-        from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+        from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
         if dtype not in ("float32", "float16"):
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
-        graphs = export_pipeline(models, shape, folder, dtype, log=log)
+        graphs = export_pipeline(models, shape, folder, dtype, log=log,
+                                 only=("target", "drafter_tree") + (("iteration",) if iteration_graph else ()))
         target_backend = OrtTarget(graphs["target"], models.target.config.max_position_embeddings)
         drafter_backend = OrtDrafter(graphs["drafter_tree"], shape)
+        if iteration_graph:
+            iteration = OrtIteration(graphs["iteration"], target_backend, drafter_backend)
     decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
-                                 vocab_size=models.target.config.vocab_size)
+                                 vocab_size=models.target.config.vocab_size, iteration=iteration)
     return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)

@@ -110,7 +110,8 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
                                                           plain_target, iteration)
                 runs[mode].append((results, nodes, seconds, host))
                 print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
-                      f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s", file=log, flush=True)
+                      f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s"
+                      + ("" if host is None else f", host {host:.2f} ms an iteration"), file=log, flush=True)
         for mode in MODES:
             rows.append(_row(streams, mode, runs[mode], solo, drafter.shape.total_tokens))
             row = rows[-1]
@@ -132,7 +133,7 @@ def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_t
     nodes = [n for _, n, _, _ in runs if n is not None]
     return {"streams": streams, "mode": mode, "requests": len(solo), "tokens": sum(len(x.tokens) for x in runs[0][0]),
             "seconds": round(statistics.median(s for _, _, s, _ in runs), 3),
-            "host_ms_per_iteration": statistics.median(hosts) if hosts else None,
+            "host_ms_per_iteration": statistics.median(hosts) if hosts else None, "host_ms_per_iteration_runs": hosts,
             "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": list(rates),
             "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
             "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(p)   # the onnxruntime backend runs on the CPU
     p.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch",
                    help="torch: the PyTorch models; onnxruntime: the exported graphs (exported on first use)")
+    p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
+                   help="onnxruntime: drafting and verification in one graph call an iteration (the drafter and "
+                        "target graphs composed, as the build serves them; on, the default) or two (off)")
     p.add_argument("--onnx-dir", default=None,
                    help="where the onnxruntime backend finds or exports its graphs (default: a cache folder)")
     return p
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = TreeShape(args.depth, args.tree_top_k, total).validate()
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed).validate()
         pipe = load_pipeline(args.target, args.drafter, shape, dtype=args.dtype, log=sys.stderr,
-                             backend=args.backend, onnx_dir=args.onnx_dir, device=args.device)
+                             backend=args.backend, onnx_dir=args.onnx_dir, device=args.device,
+                             iteration_graph=args.iteration_graph == "on")
         result = pipe.generate(args.prompt, args.max_new_tokens, sampling, chat=args.chat)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -68,8 +68,10 @@ def test_onnxruntime_greedy_equals_transformers_generate(smollm2, drafters, targ
 def test_generate_cli_onnxruntime_backend(tmp_path, capsys, smollm2_onnx_dir):
     args = ["--prompt", "What is 2 + 2?", "--chat", "--max-new-tokens", "16", "--depth", "3", "--tree-top-k", "2",
             "--total-tokens", "5", "--json", "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "graphs"))]
-    assert generate_main(args + ["--backend", "onnxruntime"]) == 0
+    assert generate_main(args + ["--backend", "onnxruntime"]) == 0     # the iteration graph, by default
     ort = json.loads(capsys.readouterr().out)
-    assert (tmp_path / "graphs" / "target.onnx").is_file() and (tmp_path / "graphs" / "drafter_tree.onnx").is_file()
+    assert all((tmp_path / "graphs" / f"{g}.onnx").is_file() for g in ("target", "drafter_tree", "iteration"))
+    assert generate_main(args + ["--backend", "onnxruntime", "--iteration-graph", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == ort["tokens"]
     assert generate_main(args + ["--backend", "torch"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ort["tokens"]
