@@ -343,10 +343,11 @@ class Build:
         return mode == "on" or (mode == "auto" and not fp8)
 
     def parity(self, selected: bool) -> StageResult:
+        from ..export.iteration import ITERATION_FORMAT
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
                "precision": cfg.section("precision"), "device": self.device.type,
-               "iteration_graph": self.ort_iteration_graph}
+               "iteration_graph": self.ort_iteration_graph and ITERATION_FORMAT}
         skip = None if cfg.parity.enabled else "parity.enabled is false in the config"
 
         def run(tmp: Path) -> dict:
@@ -377,6 +378,7 @@ class Build:
         return self.run("engines", selected, key, lambda tmp: build_engines(trt, graphs, cfg, tmp, self.log), why)
 
     def triton(self, selected: bool) -> StageResult:
+        from ..export.iteration import ITERATION_FORMAT
         from .triton import TEMPLATE, write_repository
         cfg = self.cfg
         engines = self.results["engines"].status in ("ran", "cached")
@@ -385,7 +387,7 @@ class Build:
         iteration = not engines and self.ort_iteration_graph
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
                "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
-               "iteration_graph": iteration,
+               "iteration_graph": iteration and ITERATION_FORMAT,    # a new iteration format: composed again
                "template": hashlib.sha256(TEMPLATE.read_bytes()).hexdigest()}
         skip = None if cfg.outputs.triton else "outputs.triton is false in the config"
         if skip is None:
