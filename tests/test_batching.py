@@ -59,12 +59,14 @@ def test_kv_cache_slots_compaction_and_moves(dtype):
     assert cache.k[0, 1, 1, :7, 0].tolist() == [-4, -5, -6, -4, -5, -4, -6] and cache.lengths == [1, 7]
 
 
-def test_kv_cache_relayouts_reuse_storage_and_keep_rows():
-    cache = KVCache(2, 2, 1, capacity=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_relayouts_reuse_storage_and_keep_rows(dtype):
+    # float32: re-layouts in place inside one storage (numpy); bfloat16: between two storages in turn
+    cache = KVCache(2, 2, 1, capacity=4, dtype=dtype)
     for b in range(5):                                             # slots double: 1 -> 2 -> 4 -> 8
         cache.add()
         cache.stage(range(b, b + 1), 2)
-        cache.write([torch.full((1, 2, 2, 1), b + 1.0)] * 2, [torch.full((1, 2, 2, 1), -b - 1.0)] * 2)
+        cache.write([torch.full((1, 2, 2, 1), b + 1.0, dtype=dtype)] * 2, [torch.full((1, 2, 2, 1), -b - 1.0, dtype=dtype)] * 2)
         cache.commit([[0, 1]])
     assert cache.k.shape[1] == 8 and cache.lengths == [2] * 5
     cache.stage(range(4, 5), 3 * CHUNK)                            # more rows: a larger layout, zeroed
@@ -77,20 +79,50 @@ def test_kv_cache_relayouts_reuse_storage_and_keep_rows():
     cache.remove(0)
     assert cache.capacity == CHUNK
     assert cache.lengths == [2, 2] and cache.k[0, :2, 1, :2, 0].tolist() == [[3, 3], [2, 2]]   # each removal moved the last in
+    assert cache.v[:, :2, 0, :2, 0].tolist() == [[[-3, -3], [-2, -2]]] * 2
     cache.clear()                                                  # a fresh start keeps the storages
     assert cache.lengths == [] and cache.k.shape[1] == 8
-    assert all(torch.isfinite(t).all() for t in cache.storages)
+    assert all(torch.isfinite(t).all() for t in cache.storages if t is not None)
     cache.add()
     grown = None
-    for _ in range(3):       # each re-layout copies into the other storage; once both are big enough, no allocation
+    in_place = dtype == torch.float32
+    for _ in range(3):       # once the storages are big enough, no allocation
         before = cache.active
         cache.reserve(range(0, 1), 4 * CHUNK)                      # a larger layout
-        assert cache.active != before and cache.capacity == 4 * CHUNK
+        assert (cache.active == before) == in_place and cache.capacity == 4 * CHUNK
         cache.remove(0)                                            # and back
         cache.add()
         assert cache.active == before and cache.capacity == CHUNK
         assert grown is None or all(a is b for a, b in zip(cache.storages, grown))
         grown = list(cache.storages)
+    assert (cache.storages[1 - cache.active] is None) == in_place  # in place: one storage
+
+
+def test_kv_cache_relayout_in_place_moves_every_row():
+    """Growing and shrinking inside one storage: more rows, then fewer, each row of each slot,
+    layer and head where it belongs afterwards (blocks overlap their old places; more slots in
+    place: the test above)."""
+    cache = KVCache(3, 2, 2, capacity=CHUNK, batch=2)              # room for 4x the first layout
+    storage = cache.storages[cache.active]
+    for b in range(2):
+        cache.add()
+
+    def expected(b, n):    # [2, L, Hkv, n, D]: distinct values per K/V, layer, slot, head, row and dim
+        k = torch.arange(2 * 3 * 2 * n * 2, dtype=torch.float32).reshape(2, 3, 2, n, 2)
+        return k * 10 + 1000 * (b + 1)
+    for b, n in enumerate((40, 23)):
+        cache.stage(range(b, b + 1), n)
+        cache.write(expected(b, n)[:, :, None])
+        cache.commit([list(range(n))])
+    cache.reserve(range(0, 1), 3 * CHUNK)                          # 64 -> 256 rows: blocks move up
+    assert cache.storages[cache.active] is storage and cache.capacity == 4 * CHUNK
+    for b, n in enumerate((40, 23)):
+        assert torch.equal(cache.kv[:, :, b, :, :n], expected(b, n))
+    cache.lengths[0] = 20                                          # rows beyond are dropped by a shrink
+    cache.remove(1)
+    assert cache.storages[cache.active] is storage and cache.capacity == CHUNK   # 256 -> 64 rows: down
+    assert torch.equal(cache.kv[:, :, 0, :, :20], expected(0, 40)[:, :, :, :20])
+    assert torch.isfinite(cache.kv).all()
 
 
 def test_call_costs_interpolate_and_extend():

@@ -11,12 +11,13 @@ Sequences join (`add`) and leave (`remove`, which moves the last slot into the f
 one) between forward passes, so the live sequences always fill slots 0..B-1 and a batched call
 binds one contiguous block. Rows grow in chunks when a sequence needs more (`reserve`).
 
-A change of layout (more slots, more or fewer rows) copies only the committed rows, once, from
-one of two storages into the other, which the layouts alternate between (a re-layout inside one
-storage would have to copy the rows out and back, since old and new places overlap: twice
-the copying for the same peak memory); a storage allocates only for a larger layout than it
-holds (zeroed, half again as large as its last; on the CPU room for 4x the layout, as address
-space that faults in only where layouts reach). Allocating and zeroing a new cache at each
+A change of layout (more slots, more or fewer rows) copies only the committed rows, once. On
+the CPU (numpy dtypes) it does so in place, inside the one storage, where every block moves the
+same way (`_relayout_in_place`); elsewhere, and when the storage is too small, from one of two
+storages into the other, which the layouts alternate between. A storage allocates only for a
+larger layout than it holds (zeroed, half again as large as its last; on the CPU room for 4x
+the layout, as address space that faults in only where layouts reach, and the old storage is
+let go). Allocating and zeroing a new cache at each
 change was most of the host work of a continuously batched run (8 streams: every join, every
 chunk of rows and every fresh start copied the whole cache). Rows past a sequence's length
 are masked but must be finite (a masked probability 0 times NaN is NaN): they hold zeros or
@@ -52,7 +53,7 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device=None, batch: int = 1):
         self.layout = (num_layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.kv = self.k = self.v = None      # kv [2, L, B, Hkv, S, D]; k, v = kv[0], kv[1]
+        self.kv = self.k = self.v = self.kv_np = None   # kv [2, L, B, Hkv, S, D]; k, v = kv[0], kv[1]
         self.storages: list[Tensor | None] = [None, None]   # flat storages the layouts are views of, in turn
         self.active = 1                       # the storage the current layout is a view of
         self.owner = None                     # the backend that clears and reuses it (backend._new_cache)
@@ -63,22 +64,31 @@ class KVCache:
         self.new_rows: Tensor | np.ndarray | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
 
     def _allocate(self, batch: int, rows: int) -> None:
-        """Lay the cache out as [L, batch, Hkv, rows, D] in the other storage, keeping every committed row."""
+        """Lay the cache out as [L, batch, Hkv, rows, D], keeping every committed row: in place
+        where the storage holds it (numpy caches, see _relayout_in_place), else in the other storage."""
         L, H, D = self.layout
         shape = (2, L, batch, H, rows, D)    # K and V in one block: a commit copies both at once
         b, s = min(batch, len(self.lengths)), min(rows, max(self.lengths, default=0))
         numel = math.prod(shape)
-        spare = 1 - self.active
-        storage = self.storages[spare]
-        if storage is None or storage.numel() < numel:
-            # half again: the next chunks of rows fit without another one
-            size = numel if storage is None else max(numel, storage.numel() * 3 // 2)
-            self.storages[spare] = None      # let the old storage go before the new one is made
-            self.storages[spare] = self._storage(numel, size)
-        kv = self.storages[spare][:numel].view(shape)
-        if b and s:
-            kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
-        self.kv, self.active = kv, spare
+        current = self.storages[self.active]
+        if self.kv_np is not None and current is not None and current.numel() >= numel and \
+                self._relayout_in_place(shape, b, s):
+            kv = current[:numel].view(shape)
+        else:
+            spare = 1 - self.active
+            storage = self.storages[spare]
+            if storage is None or storage.numel() < numel:
+                # half again: the next chunks of rows fit without another one
+                size = numel if storage is None else max(numel, storage.numel() * 3 // 2)
+                self.storages[spare] = None      # let the old storage go before the new one is made
+                self.storages[spare] = self._storage(numel, size)
+            kv = self.storages[spare][:numel].view(shape)
+            if b and s:
+                kv[:, :, :b, :, :s] = self.kv[:, :, :b, :, :s]
+            if self.kv_np is not None:           # numpy caches re-lay out in place: the old one is not needed
+                self.storages[self.active] = None
+            self.active = spare
+        self.kv = kv
         self.shape = shape      # kv's shape as ints (binding by address reads it)
         self.k, self.v = kv[0], kv[1]
         self.capacity = rows    # rows per slot (an int kept: a tensor's shape costs ~5 us after a graph call)
@@ -87,6 +97,27 @@ class KVCache:
         # on caches the graph call has just flushed
         self.kv_np = kv.numpy() if kv.device.type == "cpu" and self.dtype in NUMPY_FLOATS else None
         self.layout_id = next(_layout_ids)   # unique to this layout: a binding of its memory is valid while it lasts
+
+    def _relayout_in_place(self, shape: tuple, b: int, s: int) -> bool:
+        """Move the committed rows (b slots, s rows) from the current layout to `shape` inside
+        the same storage, when every block moves the same way: up when slots and rows grow (moved
+        last block first), down when they shrink (first block first). A block then overlaps only
+        its own old place and those of blocks already moved, so one numpy copy per layer's K or V
+        (which copies through a temporary where it overlaps itself) is exact. A re-layout between
+        two storages touches both (the layouts alternate): on a VM each first touch of memory
+        costs 1-3 ms per MB, which the second storage paid once per growing layout. False: the
+        move goes neither way (the caller uses the other storage)."""
+        old = self.kv_np.shape
+        if not b or not s:
+            return True
+        up = shape[2] >= old[2] and shape[4] >= old[4]
+        if not up and not (shape[2] <= old[2] and shape[4] <= old[4]):
+            return False
+        new = self.storages[self.active][:math.prod(shape)].numpy().reshape(shape)
+        groups = [(k, layer) for k in range(2) for layer in range(shape[1])]
+        for k, layer in (reversed(groups) if up else groups):
+            new[k, layer, :b, :, :s] = self.kv_np[k, layer, :b, :, :s]
+        return True
 
     def _storage(self, numel: int, size: int) -> Tensor:
         """A new storage of `size` elements; on the CPU, room for layouts 4x this one's `numel`
