@@ -188,7 +188,7 @@ class Bound:
         self.layout: tuple | None = None             # the cache layout its past inputs are bound to
         self.tree = None                             # a drafter's DraftTree over its output buffers (draft_tree)
         self.mask_lengths: list[int] | None = None   # the committed lengths the target's mask shows (verify)
-        self.handoff: list[tuple[np.ndarray, ...]] = []   # a TwinBinding's crossed buffers, per side: what it reads
+        self.handoff: list[tuple[np.ndarray, ...]] = []   # OrtIteration: per side, the drafter inputs it reads
 
     @property
     def io(self) -> ort.IOBinding:
@@ -522,8 +522,9 @@ class OrtIteration(_Timed):
                 bound.binding.bind_crossed(given, handed, first, second)
             bound.handoff = [tuple(pair[side].numpy() for pair in pairs) for side in range(2)]
         else:                    # padding ids zero: valid ids
-            bound.handoff = [tuple(bound.buffer(name, dtype, shape, output=False).zero_().numpy()
-                                   for name, dtype, shape in drafter_inputs)]
+            for name, dtype, shape in drafter_inputs:
+                bound.buffer(name, dtype, shape, output=False).zero_()
+            bound.handoff = [tuple(bound.arrays[name] for name, _, _ in drafter_inputs)]
         for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
             bound.buffer(name, torch.int64, [b], output=False)
         for name, (dtype, shape) in self.tree_outputs.items():
