@@ -175,7 +175,8 @@ class Bound:
     as a preallocated tensor bound by address (`buffers`): a call copies its small inputs into
     place and the graph writes its outputs into the same tensors each time, so a call makes no
     bindings and allocates nothing. Outputs are therefore valid until the backend's next call
-    of the same shape (the decoder copies what it keeps: the accepted rows' states)."""
+    of the same shape (the decoder copies what it keeps, the accepted rows' states, except an
+    iteration graph's hand-off, which has buffers of its own: OrtIteration)."""
 
     def __init__(self, binding: CpuBinding | TwinBinding, stagings: list[torch.Tensor]):
         self.binding = binding
