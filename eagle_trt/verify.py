@@ -16,11 +16,13 @@ from .config import SamplingConfig
 from .tree import DraftTree
 
 
-def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+def target_probs(logits: Tensor, sampling: SamplingConfig, on_device: bool = False) -> Tensor:
     """Temperature, then top-k, then top-p (transformers' order); returns fp32 probabilities,
     on the CPU: the seeded torch.Generator that makes sampling reproducible is a CPU one, and
-    the same seed then draws the same tokens whatever device the target ran on."""
-    logits = logits.float().cpu() / sampling.temperature
+    the same seed then draws the same tokens whatever device the target ran on. on_device: do
+    the sort and softmax where the logits are (a GPU's batch of 1024 rows would spend ~0.3 s a
+    step sorting on the host), and move only the probabilities."""
+    logits = (logits.float() if on_device else logits.float().cpu()) / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -31,7 +33,7 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
         drop_sorted[..., -1] = False   # always keep the most likely token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1).cpu()
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:

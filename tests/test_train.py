@@ -664,6 +664,38 @@ def test_sampled_answers_are_seeded_and_keep_the_targets_argmax_as_label(target,
     assert made["decoding"].startswith("sampled at temperature 1")
 
 
+def test_chunks_answered_together_keep_their_answers_and_generators(target, tmp_path):
+    """A batch spanning several chunks (a GPU's) gives each chunk the greedy answers it gets
+    alone and draws each chunk's samples from its own generator; the set's provenance records
+    which chunks were made that way."""
+    from eagle_trt.config import SamplingConfig
+    from eagle_trt.train.regenerate import DistillSet, answer_batch, read_chunk, regenerate, chunk_name
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 10, 7)]
+    hot = SamplingConfig(temperature=1.0, top_p=0.95, seed=0)
+    seeded = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    first = seeded(1)
+    together = answer_batch(target.model, prompts, 12, set(), sampling=hot, generator=[first, first, seeded(2)])
+    assert together[:2] == answer_batch(target.model, prompts[:2], 12, set(), sampling=hot, generator=seeded(1))
+    assert together[2:] == answer_batch(target.model, prompts[2:], 12, set(), sampling=hot, generator=seeded(2))
+    from test_build_support import write_tiny_target
+    from eagle_trt.api import load_target_on
+    tiny = load_target_on(write_tiny_target(tmp_path / "t"), "cpu", "float32")
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Name {i} teas."},
+                                                                  {"from": "gpt", "value": "Green."}]}
+                                for i in range(140)]))
+    for name, batch in (("alone", 64), ("together", 128)):
+        regenerate(tiny, tmp_path / name, "train", 140, 128, 4, batch, log=lambda _: None, data=data)
+    alone, made = DistillSet(tmp_path / "alone"), DistillSet(tmp_path / "together")
+    assert made.chunk_ids() == alone.chunk_ids() == [0, 1, 2]
+    for c in made.chunk_ids():
+        assert read_chunk(tmp_path / "together" / f"{chunk_name(c)}.npz") == \
+            read_chunk(tmp_path / "alone" / f"{chunk_name(c)}.npz")
+    assert "runs" not in alone.provenance and made.provenance["decoding"] == alone.provenance["decoding"]
+    assert list(made.provenance["runs"].values()) == [[0, 1, 2]]
+
+
 def test_distillation_set_round_trip_and_features_reused(target, capture, tmp_path):
     """A chunk file keeps ids, prompt / answer split and sample ids exactly; features written on
     the side under the chunk's name are what extract_features finds done (nothing recomputed)."""

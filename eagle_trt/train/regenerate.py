@@ -59,9 +59,10 @@ PROMPTS_FORMAT = "eagle-trt-prompts/1"
 @torch.inference_mode()
 def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
                  features: bool = False, stop_loops: int = 0, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None
+                 generator: torch.Generator | list[torch.Generator] | None = None
                  ) -> list[list[int]] | tuple[list[list[int]], list[dict[str, Tensor]]]:
-    """Greedy (or, with a non-greedy `sampling`, sampled from `generator`) continuations of a
+    """Greedy (or, with a non-greedy `sampling`, sampled from `generator`: one, or one per prompt,
+    the prompts of a chunk sharing their chunk's) continuations of a
     batch of prompts (left padded), each cut after its first EOS, or (stop_loops = N > 0) after
     N answer tokens in a row that repeat the sequence's own earlier 9-grams: greedy decoding
     does not leave such a loop, and training keeps only its first N tokens anyway (loops.py,
@@ -79,11 +80,22 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     dev, dtype, cfg = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype, model.cfg
     sampled = sampling is not None and not sampling.greedy
 
-    def pick(logits: Tensor) -> Tensor:     # [B, V] -> [B]: the next tokens
+    B, L = len(prompts), max(len(p) for p in prompts)
+    gens = generator if isinstance(generator, list) else [generator] * B
+    if len(gens) != B:
+        raise ValueError(f"{len(gens)} generators for {B} prompts")
+
+    def pick(logits: Tensor, rows: list[int]) -> Tensor:     # [B, V] -> [B]: the next tokens of batch rows -> prompts
         if not sampled:
             return logits.argmax(-1)
-        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[:, 0].to(dev)
-    B, L = len(prompts), max(len(p) for p in prompts)
+        probs = target_probs(logits, sampling, on_device=True)
+        groups: dict[int, list[int]] = {}       # each generator draws for its rows at once, in row order
+        for r, b in enumerate(rows):
+            groups.setdefault(id(gens[b]), []).append(r)
+        picked = torch.empty(len(rows), dtype=torch.long)
+        for rs in groups.values():
+            picked[rs] = torch.multinomial(probs[rs], 1, generator=gens[rows[rs[0]]])[:, 0]
+        return picked.to(dev)
     S = L + max_new_tokens
     ids = torch.zeros(B, L, dtype=torch.long, device=dev)
     valid = torch.zeros(B, S, dtype=torch.bool, device=dev)     # which cache rows hold real tokens
@@ -108,7 +120,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
                 feats[b]["captured"].append(out.captured[b, rows])
                 feats[b]["normed"].append(normed[b, rows])
                 feats[b]["argmax"].append(model.lm_head(normed[b, rows]).argmax(-1))
-        next_tok: Tensor = pick(out.logits[:, -1])
+        next_tok: Tensor = pick(out.logits[:, -1], list(range(B)))
         tokens: list[list[int]] = [[] for _ in range(B)]
         loops = [LoopRun(p) for p in prompts] if stop_loops else None
         rows = list(range(B))                   # batch row -> prompt index
@@ -137,7 +149,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
             valid[:, n] = True
             out = model(next_tok[:, None], last_pos[:, None], valid[:, None, :n + 1], None, None, cache=cache, at=n)
             top1 = out.logits[:, -1].argmax(-1)
-            next_tok = pick(out.logits[:, -1]) if sampled else top1
+            next_tok = pick(out.logits[:, -1], rows) if sampled else top1
             if features:
                 normed = model.norm(final.pop())
                 for r in fed:
@@ -318,7 +330,7 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
             if old.get(key) != provenance[key]:
                 raise DistillError(f"{path}: this set was made with {key} {old.get(key)}, this run has "
                                    f"{provenance[key]}; use another --out")
-    _write_provenance(out, provenance)
+    _write_provenance(out, {**(old if path.is_file() else {}), **_with_runs(out, provenance, [], None)})
     prompts = (read_prompts(prompts_file, target, split, max_prompt_tokens, later_turns)[:max_prompts] if prompts_file
                else user_turns(tok, split, max_prompts, max_prompt_tokens, path=data, later=later_turns))
     todo = [c for c in range(-(-len(prompts) // CHUNK)) if c % workers == worker
@@ -327,35 +339,46 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
         f"{worker}/{workers}, batch {batch_size}, max {max_new_tokens} new tokens")
     if feature_dir is not None:
         feature_dir.mkdir(parents=True, exist_ok=True)
-    t0, new_tokens = time.perf_counter(), 0
-    for n, c in enumerate(todo):
+    # A batch larger than a chunk answers several chunks together (a GPU's batch of 1024 spans 16);
+    # a sampled chunk still draws from its own generator, though how many draws it makes a step
+    # then depends on its batch, so such chunks are reproducible with the same --batch-size.
+    per_batch = max(1, batch_size // CHUNK)
+    t0, new_tokens, done = time.perf_counter(), 0, []
+    for n in range(0, len(todo), per_batch):
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             log(f"regenerate: time budget reached after {n} chunks")
             break
-        chunk = prompts[c * CHUNK:(c + 1) * CHUNK]
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][2]))      # similar lengths share a batch
-        answers: dict[int, list[int]] = {}
-        feats: dict[int, dict] = {}
-        gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed * 100000 + c)
+        group = todo[n:n + per_batch]
+        slots = [(c, i) for c in group for i in range(len(prompts[c * CHUNK:(c + 1) * CHUNK]))]
+        prompt = {(c, i): prompts[c * CHUNK + i] for c, i in slots}
+        order = sorted(slots, key=lambda ci: len(prompt[ci][2]))     # similar lengths share a batch
+        gens = {c: None if sampling.greedy else torch.Generator().manual_seed(sampling.seed * 100000 + c)
+                for c in group}
+        answers: dict[tuple[int, int], list[int]] = {}
+        feats: dict[tuple[int, int], dict] = {}
         for s in range(0, len(order), batch_size):
             part = order[s:s + batch_size]
-            got = answer_batch(target.model, [chunk[i][2] for i in part], max_new_tokens, eos, feature_dir is not None,
-                               stop_loops, sampling, gen)
+            got = answer_batch(target.model, [prompt[ci][2] for ci in part], max_new_tokens, eos,
+                               feature_dir is not None, stop_loops, sampling, [gens[c] for c, _ in part])
             toks, fs = got if feature_dir is not None else (got, [None] * len(part))
-            for i, t, f in zip(part, toks, fs):
-                answers[i], feats[i] = t, f
+            for ci, t, f in zip(part, toks, fs):
+                answers[ci], feats[ci] = t, f
                 new_tokens += len(t)
-        items = [(chunk[i][0], chunk[i][2], answers[i]) for i in range(len(chunk))]
-        if feature_dir is not None:
-            samples = [Sample(sid, p + a, [0] * len(p) + [1] * len(a)) for sid, p, a in items]
-            write_feature_shard(feature_dir / f"{chunk_name(c)}.safetensors", target, samples,
-                                [feats[i] for i in range(len(chunk))])
-        write_chunk(out / f"{chunk_name(c)}.npz", items)
+        for c in group:
+            keys = [ci for ci in slots if ci[0] == c]
+            items = [(prompt[ci][0], prompt[ci][2], answers[ci]) for ci in keys]
+            if feature_dir is not None:
+                samples = [Sample(sid, p + a, [0] * len(p) + [1] * len(a)) for sid, p, a in items]
+                write_feature_shard(feature_dir / f"{chunk_name(c)}.safetensors", target, samples,
+                                    [feats[ci] for ci in keys])
+            write_chunk(out / f"{chunk_name(c)}.npz", items)
+            done.append(c)
         dt = time.perf_counter() - t0
-        eta = dt / (n + 1) * (len(todo) - n - 1) / 60
-        log(f"regenerate: chunk {c} done ({n + 1}/{len(todo)}), {new_tokens / dt:.0f} new tok/s, eta {eta:.0f} min")
+        eta = dt / len(done) * (len(todo) - len(done)) / 60
+        log(f"regenerate: chunks {group[0]}..{group[-1]} done ({len(done)}/{len(todo)}), "
+            f"{new_tokens / dt:.0f} new tok/s, eta {eta:.0f} min")
     counts = DistillSet(out).counts()
-    _write_provenance(out, dict(provenance, counts=counts))
+    _write_provenance(out, _with_runs(out, provenance, done, batch_size if per_batch > 1 else None) | {"counts": counts})
     return counts
 
 
@@ -405,6 +428,20 @@ def read_prompts(path: Path, target, split: str, max_prompt_tokens: int,
         raise DistillError(f"{path}: prompt arrays disagree in length (corrupted file?)")
     starts = np.concatenate([[0], np.cumsum(lengths)])
     return [(sid, "", ids[a:b].tolist()) for sid, a, b in zip(sids, starts[:-1], starts[1:])]
+
+
+def _with_runs(out: Path, provenance: dict, chunks: list[int], batch_size: int | None) -> dict:
+    """The set's provenance with this run's chunks recorded under "runs" where they were made
+    otherwise than the set's first chunks (another device or dtype, or several chunks a batch):
+    "decoding" stays the first run's."""
+    path = out / PROVENANCE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    first = old.get("decoding", provenance["decoding"])
+    how = provenance["decoding"] + (f"; {batch_size} prompts a batch, several chunks each" if batch_size else "")
+    runs = dict(old.get("runs", {}))
+    if how != first and chunks:
+        runs[how] = sorted(set(runs.get(how, [])) | set(chunks))
+    return dict(provenance, decoding=first, **({"runs": runs} if runs else {}))
 
 
 def _write_provenance(out: Path, provenance: dict) -> None:
