@@ -75,6 +75,7 @@ EOF
 #   later:   the later-turn greedy set (data/distill/prompts-smollm2-later.npz: every train-split later
 #            turn of <= 512 tokens with the conversation before it, 10,497; loop stop 16);
 #   greedy:  the first-turn greedy set (complete since 2026-11-26).
+# --eos-ids 2: the sets end answers at <|im_end|> only; transformers 5.17's GGUF tokenizer names 1 too.
 # Each set's new chunks come back in RESULTS/new_chunks-<set>.tar and train below when SETS names
 # their set; MIN=0 stops after them (generation and training in two device calls).
 for gen_set in ${GEN_SET:-}; do
@@ -90,7 +91,7 @@ for gen_set in ${GEN_SET:-}; do
   esac
   ls $SET > /tmp/chunks.before
   $PY -m eagle_trt.train.regenerate --out $SET --prompts-from $prompts --max-prompts 100000 \
-    --batch-size "${GEN_BATCH:-1024}" --dtype float32 --no-features "${GEN_ARGS[@]}" \
+    --batch-size "${GEN_BATCH:-1024}" --dtype float32 --no-features "${GEN_ARGS[@]}" --eos-ids 2 \
     --time-budget-min "$GEN_MIN" 2>&1 | grep -v Warning | tail -4
   ls $SET | comm -13 /tmp/chunks.before - > /tmp/chunks.new
   (cd $SET && tar cf "$RESULTS/new_chunks-$gen_set.tar" provenance.json $(cat /tmp/chunks.new))

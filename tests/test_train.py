@@ -694,6 +694,9 @@ def test_chunks_answered_together_keep_their_answers_and_generators(target, tmp_
             read_chunk(tmp_path / "alone" / f"{chunk_name(c)}.npz")
     assert "runs" not in alone.provenance and made.provenance["decoding"] == alone.provenance["decoding"]
     assert list(made.provenance["runs"].values()) == [[0, 1, 2]]
+    # a set made where the tokenizer named other EOS ids keeps its own (--eos-ids)
+    regenerate(tiny, tmp_path / "eos", "train", 8, 128, 4, 8, log=lambda _: None, data=data, eos_ids=[7])
+    assert DistillSet(tmp_path / "eos").provenance["settings"]["eos_ids"] == [7]
 
 
 def test_distillation_set_round_trip_and_features_reused(target, capture, tmp_path):

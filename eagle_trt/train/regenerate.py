@@ -284,7 +284,7 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
                batch_size: int, workers: int = 1, worker: int = 0, feature_dir: Path | None = None,
                time_budget_s: float | None = None, log=print, prompts_file: Path | None = None,
                later_turns: bool = False, stop_loops: int = 0, data: Path | None = None,
-               sampling: SamplingConfig | None = None) -> dict:
+               sampling: SamplingConfig | None = None, eos_ids: list[int] | None = None) -> dict:
     """Answer the split's first `max_prompts` prompts chunk by chunk (this worker's chunks: c %
     workers == worker), skipping chunks already in `out`. Returns the set's counts.
     prompts_file: read the prompts from an export_prompts file instead of the ShareGPT package.
@@ -298,7 +298,8 @@ def regenerate(target, out: Path, split: str, max_prompts: int, max_prompt_token
     if not sampling.greedy and sampling.seed is None:
         raise DistillError("sampled answers need a seed (the set must be reproducible chunk by chunk)")
     tok = target.tokenizer()
-    eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
+    eos = set(eos_ids) if eos_ids else {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+                                        if isinstance(i, int) and i >= 0}
     out.mkdir(parents=True, exist_ok=True)
     settings = {"split": split, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
                 "val_fraction": DataConfig.val_fraction, "chunk": CHUNK, "eos_ids": sorted(eos)}
@@ -491,6 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampled answers: chunk c draws from seed * 100000 + c")
+    p.add_argument("--eos-ids", default=None, help="comma-separated ids that end an answer (default: the tokenizer's "
+                   "EOS and <|im_end|>; a set made where the tokenizer named others keeps its own)")
     p.add_argument("--threads", type=int, default=0)
     add_device_options(p)
     args = p.parse_args(argv)
@@ -514,7 +517,8 @@ def main(argv=None) -> int:
                             args.time_budget_min * 60 if args.time_budget_min else None,
                             prompts_file=args.prompts_from, later_turns=args.turns == "later",
                             stop_loops=args.stop_loops,
-                            sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed))
+                            sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed),
+                            eos_ids=[int(i) for i in args.eos_ids.split(",")] if args.eos_ids else None)
     except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
