@@ -16,7 +16,7 @@ from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibra
                              linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
                              run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 
 from conftest import PlantedDrafter, oracle_drafter
 
@@ -263,6 +263,16 @@ def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, tiny_ta
         assert plain.tokens == ar.tokens == torch_spec.tokens
         assert plain.accept_lengths == torch_spec.accept_lengths
     assert max(accepted) >= 3, "no draft was accepted deeply: the check would be vacuous"
+    # continuously batched (batch 3 and 8, prompts of mixed lengths, one stopping at an EOS that
+    # greedy decoding emits): each sequence still gets greedy FP8 decoding's tokens
+    prompts = [_ids(5 + 4 * i, seed=40 + i) for i in range(8)]
+    solo = [generate_autoregressive(target, p, 24, []).tokens for p in prompts]
+    eos = {solo[2][9]}
+    solo = [generate_autoregressive(target, p, 24, eos).tokens for p in prompts]
+    assert any(len(t) < 24 for t in solo), "no sequence stopped at the EOS: the check would be vacuous"
+    for batch in (3, 8):
+        results = SpeculativeDecoder(target, drafter, eos).generate_batch([Request(p, 24) for p in prompts], max_batch=batch)
+        assert [r.tokens for r in results] == solo, f"FP8 graphs at batch {batch} differ from greedy"
 
 
 def test_single_step_drafter_graph(setup, tmp_path):
