@@ -501,6 +501,10 @@ def main(argv=None) -> int:
         p.error("--out is required (unless --export-prompts is given)")
     if not 0 <= args.worker < args.workers:
         p.error(f"--worker {args.worker} is outside 0..{args.workers - 1}")
+    try:
+        eos_ids = [int(i) for i in args.eos_ids.split(",")] if args.eos_ids else None
+    except ValueError:
+        p.error(f"--eos-ids {args.eos_ids!r}: expected comma-separated token ids, e.g. 2 or 1,2")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -518,7 +522,7 @@ def main(argv=None) -> int:
                             prompts_file=args.prompts_from, later_turns=args.turns == "later",
                             stop_loops=args.stop_loops,
                             sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed),
-                            eos_ids=[int(i) for i in args.eos_ids.split(",")] if args.eos_ids else None)
+                            eos_ids=eos_ids)
     except (ConfigError, DistillError, FeatureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
