@@ -15,8 +15,10 @@
 # them in .git/info/exclude with .device/ and .whl/; call 1 carries .device/p1 (the GGUF's first
 # 62,000,000 bytes) and copies it to /root/stash; call 2, made at once (a machine idle for 30 s
 # goes back), carries .device/p2 (the rest), .whl (gguf 0.19.0), the drafter weights INIT needs
-# and the SETS folders plus data/distill/smollm2-val, joins the parts, checks the sha256 and runs
-# this; `git reset` after. It leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and
+# and the SETS folders plus data/distill/smollm2-val, joins the parts, checks the sha256, installs
+# the wheels (`pip install --no-deps --no-index --target /root/site .whl/*.whl`, PYTHONPATH=/root/site:
+# without --no-deps pip looks for numpy and fails) and runs this; `git reset` after. Session 48 made
+# generation (GEN_SET="later sampled" GEN_BATCH=1024 MIN=0) and training (MIN=2.8) two calls. It leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and
 # stdout of the runs, in 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU
 # it runs too (slowly).
 set -euo pipefail
