@@ -92,6 +92,8 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
         groups: dict[int, list[int]] = {}       # each generator draws for its rows at once, in row order
         for r, b in enumerate(rows):
             groups.setdefault(id(gens[b]), []).append(r)
+        if len(groups) == 1:                    # one chunk in the batch: no row gather
+            return torch.multinomial(probs, 1, generator=gens[rows[0]])[:, 0].to(dev)
         picked = torch.empty(len(rows), dtype=torch.long)
         for rs in groups.values():
             picked[rs] = torch.multinomial(probs[rs], 1, generator=gens[rows[rs[0]]])[:, 0]
