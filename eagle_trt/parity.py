@@ -33,7 +33,7 @@ from .export.graphs import (
     TargetGraph,
     target_io_names,
 )
-from .export.iteration import HANDOFF, PREFIX
+from .export.iteration import HANDOFF, PREFIX, VERIFY_NODES
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget, causal_mask
 
@@ -249,14 +249,16 @@ class IterationReference(nn.Module):
         self.draft, self.verify = DraftTreeGraph(drafter, shape), TargetGraph(target)
 
     def forward(self, captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths,
-                past_lengths, *past):
+                past_lengths, verify_nodes, *past):
         tree = self.draft(captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths)
-        tokens, tree_mask, depths = tree[0], tree[2], tree[3]
+        n = int(verify_nodes.min(torch.tensor(tree[0].shape[1]))[0])    # the tree's n best: its first n nodes
+        tokens, tree_mask, depths = tree[0][:, :n], tree[2][:, :n + 1, :n + 1], tree[3][:, :n + 1]
         ids = torch.cat((draft_ids.gather(1, (new_lengths - 1)[:, None]), tokens), 1)   # root: the last valid id
         T = ids.shape[1]
         mask = verification_mask(past_lengths, past[0].shape[2], tree_mask)
         verified = self.verify(ids, past_lengths[:, None] + depths, mask, torch.arange(T, device=ids.device), *past)
-        path, tokens = verified[2][:, :captured.shape[1]], verified[4][:, :captured.shape[1]]
+        pad = torch.zeros(ids.shape[0], captured.shape[1], dtype=torch.int64, device=ids.device)   # paths shorter
+        path, tokens = (torch.cat((x, pad), 1)[:, :captured.shape[1]] for x in (verified[2], verified[4]))  # than Tp
         states = verified[1].gather(1, path[:, :, None].expand(-1, -1, verified[1].shape[-1]))
         return (*tree, ids, *verified, states.to(captured.dtype), tokens)
 
@@ -282,10 +284,11 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
     gen = torch.Generator().manual_seed(seed)
     wdt = drafter.fc.weight.dtype
 
-    def add(label, captured, ids, draft_past, draft_lengths, new_lengths, lengths, past):
+    def add(label, captured, ids, draft_past, draft_lengths, new_lengths, lengths, past, nodes=shape.total_tokens):
         feed = {PREFIX + "captured": _np(captured), PREFIX + "input_ids": _np(ids), PREFIX + "past_key": _np(draft_past[0]),
                 PREFIX + "past_value": _np(draft_past[1]), PREFIX + "past_lengths": _np(draft_lengths),
-                PREFIX + "new_lengths": _np(new_lengths), "past_lengths": _np(lengths)}
+                PREFIX + "new_lengths": _np(new_lengths), "past_lengths": _np(lengths),
+                VERIFY_NODES: np.array([nodes], dtype=np.int64)}
         for i, (k, v) in enumerate(past):
             feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
         case.feeds.append(feed)
@@ -305,12 +308,13 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
         prefix = target(torch.randint(0, cfg.vocab_size, (1, P), generator=gen).to(dev), torch.arange(P, device=dev)[None],
                         causal_mask(P, 0, dev), *target.empty_past(device=dev))
     width = c.num_aux_hidden_states * c.target_hidden_size
-    add("batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)",
-        torch.randn(2, Tp, width, generator=gen).to(wdt) * 3, torch.randint(0, c.vocab_size, (2, Tp), generator=gen),
-        tuple(torch.randn(2, c.num_key_value_heads, Pd, c.head_dim, generator=gen).to(wdt) for _ in range(2)),
-        torch.tensor([Pd, Pd - 5]),
-        torch.tensor([Tp, 2]), torch.tensor([P, P - 4]),
-        [(k.cpu().repeat(2, 1, 1, 1), v.cpu().repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
+    batch = (torch.randn(2, Tp, width, generator=gen).to(wdt) * 3, torch.randint(0, c.vocab_size, (2, Tp), generator=gen),
+             tuple(torch.randn(2, c.num_key_value_heads, Pd, c.head_dim, generator=gen).to(wdt) for _ in range(2)),
+             torch.tensor([Pd, Pd - 5]), torch.tensor([Tp, 2]), torch.tensor([P, P - 4]),
+             [(k.cpu().repeat(2, 1, 1, 1), v.cpu().repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
+    label = "batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)"
+    add(label, *batch)
+    add(label + ", each tree's best node alone (verify_nodes 1: paths shorter than the drafter rows)", *batch, nodes=1)
     return case
 
 
@@ -386,6 +390,8 @@ def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in feed.items()}
     if "attention_mask" not in t:     # the iteration graph: its verification inputs are its own (IterationReference)
         ids, tree_mask = (torch.from_numpy(np.asarray(got[n])) for n in ("input_ids", PREFIX + "tree_mask"))
+        T = ids.shape[1]                  # the verified nodes (verify_nodes): the tree's first T - 1
+        tree_mask = tree_mask[:, :T, :T]
         t.update(input_ids=ids, attention_mask=verification_mask(t["past_lengths"], t["past_key_0"].shape[2], tree_mask),
                  logits_index=torch.arange(ids.shape[1]))
     out = greedy_accept(torch.from_numpy(np.asarray(got["logits"])).float(), t["input_ids"], t["attention_mask"],

@@ -35,9 +35,12 @@ class DraftTree:
     mask: Tensor       # [N + 1, N + 1] bool, row i = node i and its ancestors
     depths: Tensor     # [N + 1] int64, root 0; node position = root position + depth
     scores: Tensor     # [N] float32 cumulative draft log-probs
-    # ((tokens, mask, depths), their numpy views), where a CPU backend made the views once (the
-    # ONNX Runtime drafter's output buffers): `host_arrays` uses them while those are the fields
+    # ((tokens, mask, depths, scores), their numpy views), where a CPU backend made the views once
+    # (the ONNX Runtime drafter's output buffers): `host_arrays` uses them while those are the fields
     arrays: tuple | None = field(default=None, repr=False, compare=False)
+    # top(n)'s trees: a backend that hands out one tree over its output buffers call after call
+    # gets the same views back (5 slices of tensors cost ~100 us right after a graph call)
+    tops: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def size(self) -> int:
@@ -48,10 +51,17 @@ class DraftTree:
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tokens, mask and depths as numpy arrays (a CPU tree): the backend's views where it has them
         (each torch .numpy() costs ~10 us right after a graph call)."""
-        a = self.arrays
-        if a is not None and a[0][0] is self.tokens and a[0][1] is self.mask and a[0][2] is self.depths:
+        return self._numpy()[:3]
+
+    def host_scores(self) -> np.ndarray | Tensor:
+        """scores as a numpy array on the CPU (the backend's view where it has one), else the tensor."""
+        return self._numpy()[3] if self.scores.device.type == "cpu" else self.scores
+
+    def _numpy(self) -> tuple[np.ndarray, ...]:
+        a, fields = self.arrays, (self.tokens, self.mask, self.depths, self.scores)
+        if a is not None and all(x is y for x, y in zip(a[0], fields)):
             return a[1]
-        return self.tokens.numpy(), self.mask.numpy(), self.depths.numpy()
+        return tuple(t.numpy() for t in fields)
 
     def to(self, device) -> "DraftTree":
         return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.mask, self.depths, self.scores)))
@@ -67,12 +77,15 @@ class DraftTree:
         fewer draft tokens."""
         if n >= self.size:
             return self
-        views = (self.tokens[..., :n], self.mask[..., :n + 1, :n + 1], self.depths[..., :n + 1])
-        arrays = None
-        if self.arrays is not None:
-            tokens, mask, depths = self.host_arrays()
-            arrays = (views, (tokens[..., :n], mask[..., :n + 1, :n + 1], depths[..., :n + 1]))
-        return DraftTree(views[0], self.parents[..., :n + 1], views[1], views[2], self.scores[..., :n], arrays)
+        if n in self.tops:
+            return self.tops[n]
+
+        def cut(tokens, mask, depths, scores):
+            return tokens[..., :n], mask[..., :n + 1, :n + 1], depths[..., :n + 1], scores[..., :n]
+        views = cut(self.tokens, self.mask, self.depths, self.scores)
+        arrays = (views, cut(*self._numpy())) if self.arrays is not None else None
+        top = self.tops[n] = DraftTree(views[0], self.parents[..., :n + 1], views[1], views[2], views[3], arrays)
+        return top
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -108,6 +121,14 @@ def rank_desc(x: Tensor) -> Tensor:
 
 # Gathers and scatters along the last axis name it by its positive index: onnx's reference
 # evaluator (which runs the NVFP4 graphs here) mishandles GatherElements with axis -1.
+
+
+def rank_of(scores: list[float], i: int) -> int:
+    """rank_desc(scores)[i] for one element, in Python: on a CPU the decoder ranks only the
+    accepted nodes of each tree, from the scores as lists (tensor or numpy ops on a batch's few
+    scores cost 100-180 us right after a graph call has flushed the caches)."""
+    s = scores[i]
+    return sum(1 for k, x in enumerate(scores) if x > s or (x == s and k < i))
 
 
 def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:

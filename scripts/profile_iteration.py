@@ -6,6 +6,7 @@ after the same warm-up on held-out prompts).
     python scripts/profile_iteration.py [--tree 3,2,4] [--prompts 4] [--max-new-tokens 64] [--threads 2]
                                         [--iteration-graph]   (one call an iteration)
     python scripts/profile_iteration.py --streams 8 --prompts 16 [--runs 3]
+    python scripts/profile_iteration.py --streams 8 --prompts 16 --iteration-graph --nodes 2 --subtree-calls alternate --runs 6
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
 profiler), then the host time of each step of the loop (timers around its methods), then the
@@ -86,6 +87,14 @@ def phase_timers(ort: OrtDecoding):
             setattr(cls, name, method)
 
 
+def fixed_nodes(n: int) -> type[CostModel]:
+    """A cost model that verifies n nodes every iteration, once warm (--nodes)."""
+    class Fixed(CostModel):
+        def choose(self, batch: int, backlog: int = 0, remaining: int | None = None) -> int:
+            return self.nodes if self.warming_up else n
+    return Fixed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2")
@@ -98,9 +107,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--cumulative", action="store_true", help="the profiler's table by time including callees")
     p.add_argument("--iteration-graph", action="store_true", help="drafting and verification in one graph call "
-                   "(export/iteration.py) where an iteration verifies whole trees, as the Triton model runs it")
+                   "(export/iteration.py) for every iteration that drafts, as the Triton model runs it")
     p.add_argument("--no-handoff", action="store_true", help="with --iteration-graph: copy the drafter's inputs "
                    "in on the host every call instead of taking the last call's hand-off in place (an A/B)")
+    p.add_argument("--nodes", type=int, default=None, help="with --streams: verify this many of each tree's best "
+                   "nodes every iteration instead of the cost model's choice (0: plain decoding)")
+    p.add_argument("--subtree-calls", choices=["one", "two", "alternate"], default="one",
+                   help="with --iteration-graph: verify subtrees in the iteration graph's one call (verify_nodes), "
+                   "in two calls as graphs before format 3 did, or alternate the two run by run (an A/B)")
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
                    "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
@@ -116,22 +130,31 @@ def main(argv=None) -> int:
                            models.target.config.vocab_size, threads=args.threads, iteration_graph=graphs.get("iteration"))
     if ort.iteration is not None:
         ort.iteration.handoff = ort.iteration.has_handoff and not args.no_handoff
+        one_call = ort.iteration.any_nodes
+
+        def subtree_calls(k: int) -> str:   # run k's way of verifying subtrees
+            way = args.subtree_calls if args.subtree_calls != "alternate" else ("one", "two")[k % 2]
+            ort.iteration.any_nodes = one_call and way == "one"
+            return f", subtrees in {way} call{'s' if way == 'two' else ''}"
     ort.warm_up(prompts[0])
     batched = None
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
+        model = (CostModel if args.nodes is None else fixed_nodes(args.nodes))(shape.total_tokens,
+                                                                              shape.top_k * (shape.depth - 1))
         batched = SpeculativeDecoder(ort.target, ort.drafter, models.eos_ids, models.target.config.vocab_size,
-                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)),
-                                     iteration=ort.iteration)
+                                     model, iteration=ort.iteration)
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
     measured = prompts[held_out:]
     sessions = ort.sessions
     made = [(b.made, b.rebound) for b in (s.bindings for s in sessions.values())]
     counted, calls = 0, ort.iteration and (ort.iteration.graph_calls, ort.iteration.handoffs)
     for k in range(args.runs):
+        way = subtree_calls(k) if ort.iteration is not None else ""
         wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
         if batched is not None:
             print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
-                  f"{sum(batched.verified) / len(batched.verified):.2f} (the cost model's choice)")
+                  f"{sum(batched.verified) / len(batched.verified):.2f} "
+                  f"({'the cost model' if args.nodes is None else '--nodes'}'s choice{way})")
         print(f"{f'run {k + 1}: ' if args.runs > 1 else ''}tree ({shape.depth}, {shape.top_k}, {shape.total_tokens}): "
               f"{iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which graph calls "
               f"{1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms", flush=True)

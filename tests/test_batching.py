@@ -399,13 +399,15 @@ def test_copied_backends_decode_side_by_side_with_their_own_caches(setup):
 def test_cost_model_choices_keep_outputs_identical(setup, one_call, request):
     """Whatever the cost model verifies (full trees in warm-up, plain decoding, subtrees), the
     tokens stay those of batch 1; a compute-bound cost table makes it stop drafting. one_call:
-    with an iteration graph, which the whole trees go through once the model is warm."""
+    with an iteration graph, which every drafting step goes through once the model is warm,
+    subtrees too (verify_nodes)."""
     _, _, _, prompts = setup
     target, drafter = _backends(setup, "onnxruntime")
     iteration = OrtIteration(request.getfixturevalue("iteration_graph"), target, drafter) if one_call else None
     solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
     level = [1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]     # deeper nodes add nothing
     rising = [1.0 + 0.2 * n for n in range(SHAPE.total_tokens + 1)]    # each node adds: whole trees win
+    subtrees = set()
     # memory-bound (a GPU), compute-bound (a CPU), memory-bound with a drafter that pays to the last node
     for per_row, fixed, accepted in ((0.0001, 0.03, level), (0.004, 0.001, level), (0.0001, 0.03, rising)):
         model = _model(per_row=per_row, fixed=fixed, accepted=accepted)
@@ -422,14 +424,16 @@ def test_cost_model_choices_keep_outputs_identical(setup, one_call, request):
         decoder = SpeculativeDecoder(target, drafter, [], cost_model=model, iteration=iteration)
         results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=4)
         assert [r.tokens for r in results] == solo
-        if one_call:     # every whole-tree step in one call, the smaller trees in two
-            assert iteration.graph_calls - calls == decoder.verified.count(SHAPE.total_tokens)
+        if one_call:     # every drafting step in one call, whole trees and subtrees (verify_nodes)
+            assert iteration.graph_calls - calls == sum(1 for n in decoder.verified if n)
+            subtrees |= set(decoder.verified) - {0, SHAPE.total_tokens}
         if accepted is rising:
             assert decoder.verified.count(SHAPE.total_tokens) > len(decoder.verified) // 2, decoder.verified
         elif per_row > 0.001:
             assert decoder.verified.count(0) > len(decoder.verified) // 2, decoder.verified
         else:
             assert decoder.verified.count(0) <= 3 * (len(decoder.verified) // 32 + 1), decoder.verified   # re-timing
+    assert subtrees or not one_call     # some steps verified subtrees in the one call
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -464,10 +468,12 @@ def test_sampled_sequences_in_a_batch_follow_their_own_seeds(setup):
     assert [r.tokens for r in batched] == solo
 
 
-def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_graph):
+@pytest.mark.parametrize("nodes", [None, 2])
+def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_graph, nodes):
     """One call of the iteration graph against a drafter call and a verification call from the
     same state, over sequences of different lengths: the same trees, logits, captured states,
-    acceptance and KV rows, both caches."""
+    acceptance and KV rows, both caches; verifying whole trees, and each tree's 2 best nodes
+    (verify_nodes: the subtree the two-call path verifies with DraftTree.top)."""
     target_model, _, graphs, prompts = setup
     pairs = [_backends(setup, "onnxruntime") for _ in range(2)]
     iteration = OrtIteration(iteration_graph, *pairs[1])
@@ -485,9 +491,10 @@ def test_iteration_graph_computes_what_the_two_graph_calls_do(setup, iteration_g
         drafter.draft(states[:, :1], [[4], [4], [4]])        # a drafter past of one row each
     target, drafter = pairs[0]
     tree = drafter.draft(states, ids, new_lengths)
-    want = target.verify([7, 9, 10], tree)                   # the roots: each sequence's last valid id
+    want = target.verify([7, 9, 10], tree if nodes is None else tree.top(nodes))   # roots: the last valid ids
     want_accept = [torch.as_tensor(t).clone() for t in target.accept_greedy(want[0], want[2], want[3])]
-    got_tree, *got = iteration.run(states, ids, new_lengths)
+    got_tree, *got = iteration.run(states, ids, new_lengths, nodes=nodes)
+    assert got[0].shape[1] == 1 + (nodes or SHAPE.total_tokens)
     for name in ("tokens", "parents", "mask", "depths", "scores"):
         assert torch.equal(getattr(got_tree, name), getattr(tree, name)), name
     for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):

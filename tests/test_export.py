@@ -51,7 +51,7 @@ def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
     iteration = compose_iteration(graphs["target"], graphs["drafter_tree"], tmp_path / "iteration.onnx").path
     cases.append(iteration_case(target.model, drafter, SHAPE, iteration, "float32",
                                 [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
-    assert len(cases[-1].feeds) == 3                                  # two real, one batch of two
+    assert len(cases[-1].feeds) == 4            # two real, a batch of two: whole trees and each tree's best node
     for case in cases:
         report = check_case(case, tmp_path / "bundles")
         assert report.passed, [o for o in report.outputs if not o.passed]
@@ -335,7 +335,7 @@ def test_fp16_target_graph_runs_and_stays_close(tiny_target, tmp_path):
     gen = np.random.default_rng(0)
     feed[PREFIX + "captured"] = gen.standard_normal((1, 3, feed[PREFIX + "captured"].shape[-1]), dtype=np.float32)
     feed.update({PREFIX + "input_ids": np.array([[5, 6, 7]]), PREFIX + "past_lengths": np.array([0]),
-                 PREFIX + "new_lengths": np.array([3]), "past_lengths": np.array([0])})
+                 PREFIX + "new_lengths": np.array([3]), "past_lengths": np.array([0]), "verify_nodes": np.array([4])})
     out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
     path_rows = out["accept_path"][0, :3]
     assert out["next_captured"].dtype == np.float32 and out["captured"].dtype == np.float16

@@ -66,7 +66,7 @@ def test_top_n_is_the_first_n_nodes_and_a_tree():
     """DraftTree.top(n) on a batch of trees: each tree's first n nodes, which are its n best when
     the nodes are in rank order (select_nodes), and a tree closed under ancestry in any order
     where parents come first (graphs exported before format 8)."""
-    from eagle_trt.tree import rank_desc
+    from eagle_trt.tree import rank_desc, rank_of
     gen = torch.Generator().manual_seed(5)
     trees = []
     for _ in range(6):
@@ -95,3 +95,9 @@ def test_top_n_is_the_first_n_nodes_and_a_tree():
     assert torch.equal(ranked.mask, ancestor_mask(ranked.parents[None], 13)[0])
     for n in (1, 4, 7):
         assert ranked.top(n).scores.tolist() == sorted(t.scores.tolist(), reverse=True)[:n]
+    # one node's rank from a list of scores (the decoder's on a CPU) as rank_desc's, ties included
+    assert any(len(set(t.scores.tolist())) < 12 for t in trees)
+    for t in trees:
+        scores = t.scores.tolist()
+        assert [rank_of(scores, i) for i in range(12)] == rank_desc(t.scores).tolist()
+    assert batch.top(4) is batch.top(4) and batch.top(4) is not batch.top(5)     # top(n)'s views kept

@@ -178,7 +178,7 @@ class ServingSection:
     # where that graph is fp32.
     drafter_weights: Literal["auto", "int8", "float"] = "auto"
     # Where ONNX Runtime serves: the drafter and target graphs composed into one iteration graph
-    # (export/iteration.py), one call for each iteration that verifies whole trees. auto: on
+    # (export/iteration.py), one call for each iteration that drafts. auto: on
     # unless a graph is FP8 (ONNX Runtime runs FP8 graphs with settings of their own).
     iteration_graph: Literal["auto", "on", "off"] = "auto"
 

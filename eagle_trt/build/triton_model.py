@@ -154,7 +154,7 @@ class TritonPythonModel:
             target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
-            if "iteration" in s["graphs"]:   # one call for each iteration that verifies whole trees
+            if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
                 iteration = OrtIteration(folder / s["graphs"]["iteration"], target, drafter, threads)
         # One running batch per model instance: requests join it between iterations and leave it
         # when done; the cost model decides per iteration how much of each draft tree to verify.

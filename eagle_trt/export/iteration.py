@@ -11,17 +11,21 @@ iteration:  drafter.captured [B,Tp,A*Ht], drafter.input_ids [B,Tp] i64, drafter.
             drafter.past_value [B,Hkv,Pd,D], drafter.past_lengths [B] i64, drafter.new_lengths [B] i64
             (the drafter tree graph's inputs: the committed rows it has not encoded, the last
             valid one the root), past_lengths [B] i64 (the target's committed rows),
-            past_key_{i}, past_value_{i} [B,Hkv,P,D]
+            verify_nodes [1] i64 (n: how many of each tree's N nodes are verified, its n best;
+            more than N verifies N), past_key_{i}, past_value_{i} [B,Hkv,P,D]
         ->  drafter.tree_tokens, drafter.tree_parents, drafter.tree_mask, drafter.tree_depths,
-            drafter.tree_scores, drafter.new_key, drafter.new_value (the drafter graph's outputs),
-            input_ids [B,1+N] (root, then the tree's tokens), logits [B,1+N,V], captured [B,1+N,A*H],
+            drafter.tree_scores, drafter.new_key, drafter.new_value (the drafter graph's outputs,
+            the whole trees), input_ids [B,1+n] (root, then the tree's first n tokens),
+            logits [B,1+n,V], captured [B,1+n,A*H],
             accept_path, accept_length, accept_tokens, new_key_{i}, new_value_{i} (the target's),
             next_captured [B,Tp,A*Ht], next_input_ids [B,Tp] i64 (the hand-off: the next call's
             drafter.captured and drafter.input_ids, with accept_length its drafter.new_lengths)
 
-glue: root = drafter.input_ids[b, new_lengths[b] - 1]; input_ids = [root, tree_tokens];
-position_ids = past_lengths + tree_depths; attention_mask = [row < past_lengths for each of the P
-past rows, tree_mask]; logits_index = 0..N (every row). The two graphs are composed as they are
+glue: root = drafter.input_ids[b, new_lengths[b] - 1]; the tree cut to its first n nodes (its
+n best, a tree of their own: tree.py), input_ids = [root, tree_tokens[:n]]; position_ids =
+past_lengths + tree_depths[:n+1]; attention_mask = [row < past_lengths for each of the P past
+rows, tree_mask[:n+1, :n+1]]; logits_index = 0..n (every row). So one call verifies whatever
+subtree the cost model picks, not only the whole tree. The two graphs are composed as they are
 on disk, so each keeps its own precision (the int8 drafter ONNX Runtime serves, FP8 Q/DQ ...).
 
 hand-off (after the target): next_captured[b, j] = captured[b, accept_path[b, j]] and
@@ -30,7 +34,7 @@ least the tree's depth + 1 to hold every accepted path), cast to the drafter's i
 accepted rows' states and the ids one position later, in path order, with the next call's
 drafter input shapes. A runtime binds them as the next call's drafter inputs (two buffers in
 turn), so the accepted states never pass through the host; rows past a path's length are
-padding (row 0's state and token)."""
+padding (row 0's state and token; zeros past 1 + n)."""
 from __future__ import annotations
 
 import shutil
@@ -50,7 +54,8 @@ PREFIX = "drafter."
 TARGET_FED = ("input_ids", "position_ids", "attention_mask", "logits_index")   # made by the glue
 GLUE = "iteration_glue/"
 HANDOFF = ("next_captured", "next_input_ids")   # the next call's drafter.captured and drafter.input_ids
-ITERATION_FORMAT = 2   # 2: the hand-off outputs
+VERIFY_NODES = "verify_nodes"   # [1] i64: how many of the tree's best nodes the call verifies
+ITERATION_FORMAT = 3   # 2: the hand-off outputs; 3: verify_nodes
 
 
 class IterationGraphError(ValueError):
@@ -70,33 +75,45 @@ def _static_dim(value: onnx.ValueInfoProto, axis: int, source: str) -> int:
 
 
 def _glue_nodes(nodes: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """The verification inputs from the drafter's tree and the committed lengths (docstring)."""
+    """The verification inputs from the drafter's tree, the committed lengths and the number of
+    draft nodes to verify (docstring)."""
     g, d = GLUE, PREFIX
     consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), g + name) for name, v in
-              (("one", 1), ("zero", 0), ("axis1", [1]), ("axes12", [1, 2]), ("two", 2),
-               ("rows", [1, nodes + 1, 1]), ("logits_index", list(range(nodes + 1))))]
+              (("one", 1), ("one_1d", [1]), ("zero", 0), ("zero_1d", [0]), ("zeros_2", [0, 0]), ("axis1", [1]),
+               ("axes12", [1, 2]), ("two", 2), ("max_nodes", [nodes]))]
     n = helper.make_node
     return [
+        # n = min(verify_nodes, N) draft nodes: the tree's first n are its n best and a tree of their own
+        n("Min", [VERIFY_NODES, g + "max_nodes"], [g + "n"]),
+        n("Add", [g + "n", g + "one_1d"], [g + "n_rows"]),
+        n("Slice", [d + "tree_tokens", g + "zero_1d", g + "n", g + "axis1"], [g + "tokens"]),
+        n("Slice", [d + "tree_depths", g + "zero_1d", g + "n_rows", g + "axis1"], [g + "depths"]),
+        n("Concat", [g + "n_rows", g + "n_rows"], [g + "n_rows_2"], axis=0),
+        n("Slice", [d + "tree_mask", g + "zeros_2", g + "n_rows_2", g + "axes12"], [g + "tree_mask"]),
         n("Sub", [d + "new_lengths", g + "one"], [g + "last"]),
         n("Unsqueeze", [g + "last", g + "axis1"], [g + "last_col"]),
         n("GatherElements", [d + "input_ids", g + "last_col"], [g + "root"], axis=1),
-        n("Concat", [g + "root", d + "tree_tokens"], ["input_ids"], axis=1),
+        n("Concat", [g + "root", g + "tokens"], ["input_ids"], axis=1),
         n("Unsqueeze", ["past_lengths", g + "axis1"], [g + "lengths_col"]),
-        n("Add", [d + "tree_depths", g + "lengths_col"], ["position_ids"]),
+        n("Add", [g + "depths", g + "lengths_col"], ["position_ids"]),
         n("Shape", ["past_key_0"], [g + "past_shape"]),
         n("Gather", [g + "past_shape", g + "two"], [g + "past_rows"], axis=0),
         n("Range", [g + "zero", g + "past_rows", g + "one"], [g + "row_numbers"]),
         n("Unsqueeze", ["past_lengths", g + "axes12"], [g + "lengths_b11"]),
         n("Less", [g + "row_numbers", g + "lengths_b11"], [g + "committed_b1p"]),
+        n("Concat", [g + "one_1d", g + "n_rows", g + "one_1d"], [g + "rows"], axis=0),
         n("Expand", [g + "committed_b1p", g + "rows"], [g + "committed"]),
-        n("Concat", [g + "committed", d + "tree_mask"], ["attention_mask"], axis=2),
-        n("Identity", [g + "logits_index"], ["logits_index"]),
+        n("Concat", [g + "committed", g + "tree_mask"], ["attention_mask"], axis=2),
+        n("Squeeze", [g + "n_rows"], [g + "n_rows_scalar"]),
+        n("Range", [g + "zero", g + "n_rows_scalar", g + "one"], ["logits_index"]),
     ], consts
 
 
 def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """The accepted rows' captured states and ids in path order, as the next call's drafter inputs
-    (docstring): a Slice of the paths to this call's drafter rows, one GatherElements."""
+    """The accepted rows' states and ids in path order, as the next call's drafter inputs
+    (docstring): the paths padded with zeros (row 0, a valid id) to at least this call's drafter
+    rows, since a call verifying fewer nodes than the tree's depth has shorter paths, and cut to
+    them; one GatherElements."""
     g, d = GLUE, PREFIX
     consts = [numpy_helper.from_array(np.array(v, dtype=np.int64), g + name) for name, v in
               (("starts", [0]), ("row_axis", [1]), ("rows_at", [1]), ("rows_end", [2]), ("axis2", [2]),
@@ -106,8 +123,15 @@ def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto
     nodes = [
         n("Shape", [d + "captured"], [g + "drafter_shape"]),
         n("Slice", [g + "drafter_shape", g + "rows_at", g + "rows_end"], [g + "drafter_rows"]),
-        n("Slice", ["accept_path", g + "starts", g + "drafter_rows", g + "row_axis"], [g + "next_path"]),
-        n("Slice", ["accept_tokens", g + "starts", g + "drafter_rows", g + "row_axis"], ["next_input_ids"]),
+        n("Concat", [g + "rows_at", g + "drafter_rows"], [g + "pad_shape"], axis=0),
+        n("Slice", ["accept_path", g + "starts", g + "rows_at", g + "row_axis"], [g + "first_col"]),
+        n("Sub", [g + "first_col", g + "first_col"], [g + "zero_col"]),
+        n("Expand", [g + "zero_col", g + "pad_shape"], [g + "pad"]),
+    ]
+    for name, out in (("accept_path", g + "next_path"), ("accept_tokens", "next_input_ids")):
+        nodes += [n("Concat", [name, g + "pad"], [g + name + "_padded"], axis=1),
+                  n("Slice", [g + name + "_padded", g + "starts", g + "drafter_rows", g + "row_axis"], [out])]
+    nodes += [
         n("Unsqueeze", [g + "next_path", g + "axis2"], [g + "next_path_col"]),
         n("Expand", [g + "next_path_col", g + "width"], [g + "next_index"]),
         n("GatherElements", ["captured", g + "next_index"], [gathered], axis=1),
@@ -148,8 +172,9 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     for name in ("captured", "input_ids", "new_lengths", "tree_tokens", "tree_mask", "tree_depths"):
         if name not in d_in and name not in d_out:
             raise IterationGraphError(f"{drafter_path}: not an eagle_trt drafter tree graph (no {name!r})")
-    if "past_lengths" in t_in:
-        raise IterationGraphError(f"{target_path}: has an input named 'past_lengths', which the glue defines")
+    for name in ("past_lengths", VERIFY_NODES):
+        if name in t_in:
+            raise IterationGraphError(f"{target_path}: has an input named {name!r}, which the glue defines")
     widths = [int(v.type.tensor_type.shape.dim[-1].dim_value) for v in (t_out["captured"], d_in["captured"])]
     if widths[0] != widths[1]:
         raise IterationGraphError(f"{drafter_path}: takes captured states {widths[1]} wide, but {target_path} "
@@ -171,8 +196,9 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     graph = helper.make_graph(
         [*drafter.graph.node, *glue, *target.graph.node, *handoff], "eagle_trt_iteration",
         [*drafter.graph.input, helper.make_tensor_value_info("past_lengths", TensorProto.INT64, ["batch"]),
+         helper.make_tensor_value_info(VERIFY_NODES, TensorProto.INT64, [1]),
          *(i for i in target.graph.input if i.name not in TARGET_FED)],
-        [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", nodes + 1]),
+        [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
          *target.graph.output, helper.make_tensor_value_info("next_captured", d_type, ["batch", rows, widths[0]]),
          helper.make_tensor_value_info("next_input_ids", TensorProto.INT64, ["batch", rows])],
         [*drafter.graph.initializer, *consts, *handoff_consts, *target.graph.initializer])

@@ -248,8 +248,12 @@ def tree_from_outputs(out: dict[str, Tensor], arrays: dict | None = None, prefix
     outputs, where the backend has them (DraftTree.arrays)."""
     names = [prefix + n for n in ("tree_tokens", "tree_parents", "tree_mask", "tree_depths", "tree_scores")]
     scores = out[names[4]]
-    host = None if arrays is None else (tuple(out[names[i]] for i in (0, 2, 3)), tuple(arrays[names[i]] for i in (0, 2, 3)))
-    return DraftTree(*(out[n] for n in names[:4]), scores if scores.dtype == torch.float32 else scores.float(), host)
+    scores = scores if scores.dtype == torch.float32 else scores.float()
+    host = None
+    if arrays is not None:
+        host = (tuple(out[names[i]] for i in (0, 2, 3)) + (scores,),
+                tuple(arrays[names[i]] for i in (0, 2, 3)) + (arrays[names[4]] if scores is out[names[4]] else scores.numpy(),))
+    return DraftTree(*(out[n] for n in names[:4]), scores, host)
 
 
 class TorchTarget(TargetBackend):

@@ -46,9 +46,10 @@ batch: every sequence of a call has 1 + n rows, so a sequence verifying fewer wo
   at every size), then twice as long after each retry that does not win (up to 1024 steps:
   every retry pays a catch-up). A retry re-learns acceptance: the trees before it weigh as much
   as `burst` trees, since they are from the sequences that made drafting stop.
-With an iteration graph (drafting and verification in one call), a step verifying all N nodes
-after the warm-up is one call: only its whole time is measured (seconds(N) is that median), and
-the call tables keep the two-call timings of the warm-up and of the smaller trees.
+With an iteration graph (drafting and verification in one call), every drafting step after
+the warm-up is one call, whatever n it verifies: only its whole time is measured (seconds(n) is
+that median), and the call tables keep the two-call timings of the warm-up (and every step's,
+with a graph composed before iteration format 3, which verifies whole trees only).
 Until it has seen `warmup` verifications with the full tree the decoder verifies all N nodes;
 the first iteration at a batch size it has not timed plainly decodes plainly (n = 0), so both
 ends of the choice are measured, not extrapolated.

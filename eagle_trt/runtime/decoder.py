@@ -28,7 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..config import ConfigError, SamplingConfig
 from ..models.target import causal_mask
-from ..tree import DraftTree, rank_desc
+from ..tree import DraftTree, rank_desc, rank_of
 from ..verify import accept_sampled, sample_token
 from .backend import DrafterBackend, KeptRows, TargetBackend
 from .cost import CostModel, NodeTrim
@@ -156,9 +156,10 @@ class SpeculativeDecoder:
     trim: without a cost model, verify per iteration only the nodes whose scores pay for their
     rows (runtime/cost.py NodeTrim; bench --node-trim).
     iteration: drafting and verification in one graph call (OrtIteration over these two
-    backends: `run(states, ids, new_lengths)` returns the trees and verify's outputs), used for
-    the iterations that verify every node; with a cost model, once it has timed the two calls
-    apart (CostModel.warming_up). It takes no trim (that picks the nodes between the calls)."""
+    backends: `run(states, ids, new_lengths, nodes=n)` returns the trees and verify's outputs),
+    used for every iteration that drafts (whole trees only, with a graph composed before format
+    3); with a cost model, once it has timed the two calls apart (CostModel.warming_up). It
+    takes no trim (that picks the nodes between the calls)."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None, eos_ids: set[int] | list[int],
                  vocab_size: int | None = None, cost_model: CostModel | None = None, trim: NodeTrim | None = None,
@@ -264,9 +265,10 @@ class SpeculativeDecoder:
             return kept
         return None
 
-    def _draft(self, batch: list[Sequence], one_call: bool = False) -> tuple[DraftTree, float, tuple | None]:
+    def _draft(self, batch: list[Sequence], one_call: int = 0) -> tuple[DraftTree, float, tuple | None]:
         """The batch's trees, the seconds spent catching the drafter up on backlogs, and with
-        one_call (the iteration graph) the verification's outputs (None: the target verifies)."""
+        one_call = n > 0 (the iteration graph verifying each tree's n best nodes) the
+        verification's outputs (None: the target verifies)."""
         caught_up, rows, start = False, 0, time.perf_counter()
         for i, s in enumerate(batch):
             states = _cat_rows(s.pending_states)
@@ -291,7 +293,7 @@ class SpeculativeDecoder:
             ids = [s.pending_ids + [0] * (T - len(s.pending_ids)) for s in batch]
         verified = None
         if one_call:
-            trees, *verified = self.iteration.run(states, ids, lengths)
+            trees, *verified = self.iteration.run(states, ids, lengths, nodes=one_call)
         else:
             trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
                                 lambda sec: self._time_draft(len(batch), T, sec))
@@ -318,10 +320,10 @@ class SpeculativeDecoder:
         # host-to-device copies are the roots and lengths
         verified = done = None
         if n > 0:
-            # the whole trees, in one call where there is an iteration graph (and a cost model
-            # has timed the two calls apart: it cannot split one)
-            one_call = (self.iteration is not None and n == self.nodes
-                        and (self.cost_model is None or not self.cost_model.warming_up))
+            # in one call where there is an iteration graph (once a cost model has timed the two
+            # calls apart: it cannot split one); subtrees too where the graph takes verify_nodes
+            one_call = n if (self.iteration is not None and (n == self.nodes or self.iteration.any_nodes)
+                             and (self.cost_model is None or not self.cost_model.warming_up)) else 0
             full, catch_up, done = self._draft(batch, one_call)   # done: verified in the same call
             if self.trim is not None:
                 n = self.trim.choose(full.scores, n)
@@ -339,8 +341,12 @@ class SpeculativeDecoder:
         path_t, length_t, tokens_t = self.target.accept_greedy(logits, ids, mask)
         K = path_t.shape[1]
         observe = self.cost_model is not None and verified is not None
-        ranks = rank_desc(verified.scores) if observe else None
-        greedy = _host_rows(path_t, length_t, tokens_t, ranks)
+        # the accepted nodes' score ranks for the cost model: on a device ranked there and sent
+        # with the paths; on the CPU ranked in Python, accepted nodes only, from the scores as lists
+        scores = verified.host_scores() if observe else None
+        on_host = isinstance(scores, np.ndarray)
+        score_rows = scores.tolist() if on_host else None
+        greedy = _host_rows(path_t, length_t, tokens_t, rank_desc(scores) if observe and not on_host else None)
         ranks_at = K + 1 + tokens_t.shape[1]
         for i, (row, s) in enumerate(zip(greedy, batch)):
             sampling = s.request.sampling
@@ -353,7 +359,8 @@ class SpeculativeDecoder:
             paths.append(path)
             news.append(new)
             if observe:
-                self.cost_model.observe([row[ranks_at + j - 1] for j in path[1:]], n)
+                self.cost_model.observe([rank_of(score_rows[i], j - 1) for j in path[1:]] if on_host
+                                        else [row[ranks_at + j - 1] for j in path[1:]], n)
         self.target.commit(paths)
         if self.cost_model is not None:
             self.cost_model.time_iteration(B, n, time.perf_counter() - start - catch_up)

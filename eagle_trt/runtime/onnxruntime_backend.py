@@ -23,7 +23,7 @@ import torch
 
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
-from ..export.iteration import HANDOFF, PREFIX
+from ..export.iteration import HANDOFF, PREFIX, VERIFY_NODES
 from ..tree import DraftTree
 from .backend import DrafterBackend, KeptRows, TargetBackend, logits_rows, tree_from_outputs
 from .kv_cache import CHUNK
@@ -479,8 +479,9 @@ class OrtIteration(_Timed):
     two halves: no tree read back, no verification inputs built, one binding, one call.
 
     It works on the target's and drafter's own backends (their caches, slots and bookkeeping),
-    so the decoder uses it where an iteration verifies every node and the two-call path for the
-    rest (prefills, catching the drafter up on a long backlog). Its outputs are read as the
+    so the decoder uses it for every iteration that drafts, whatever subtree it verifies
+    (`nodes`: the iteration graph's verify_nodes), and the two-call path for the rest
+    (prefills, plain steps, catching the drafter up on a long backlog). Its outputs are read as the
     backends' own: the target's accept_greedy and keep_states see this call's buffers.
 
     The hand-off: the graph gathers the accepted rows' states and tokens into the shape of its
@@ -500,6 +501,8 @@ class OrtIteration(_Timed):
             raise ValueError(f"{path}: not an iteration graph (inputs {sorted(inputs)[:6]}...): make one with "
                              f"eagle_trt.export.iteration.compose_iteration")
         self.nodes = drafter.shape.total_tokens
+        # graphs composed before format 3 verify every node; later ones any number (verify_nodes)
+        self.any_nodes = VERIFY_NODES in inputs
         self.tree_outputs = fixed_output_specs(self.session, [PREFIX + n for n in DRAFT_TREE_OUTPUTS[:5]])
         if self.tree_outputs[PREFIX + "tree_tokens"][1][1] != self.nodes:
             raise ValueError(f"{path}: its tree has {self.tree_outputs[PREFIX + 'tree_tokens'][1][1]} nodes, the "
@@ -528,6 +531,8 @@ class OrtIteration(_Timed):
             bound.handoff = [tuple(bound.arrays[name] for name, _, _ in drafter_inputs)]
         for name in (p + "past_lengths", p + "new_lengths", "past_lengths"):
             bound.buffer(name, torch.int64, [b], output=False)
+        if self.any_nodes:      # the nodes verified follow from the shape, as logits_index does the target's
+            bound.buffer(VERIFY_NODES, torch.int64, [1], output=False).fill_(T - 1)
         for name, (dtype, shape) in self.tree_outputs.items():
             bound.buffer(name, dtype, [b if isinstance(x, str) else x for x in shape], output=True)
         bound.buffer("input_ids", torch.int64, [b, T], output=True)
@@ -536,13 +541,19 @@ class OrtIteration(_Timed):
         for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
             bound.buffer(name, torch.int64, shape, output=True)
 
-    def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None):
+    def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None, nodes: int | None = None):
         """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
-        each sequence's root (its last valid input id) and whole tree, in one call. Returns the
-        trees and what verify returns: logits, captured, input ids and the tree mask. captured and
-        input_ids may be the last call's hand-off (KeptRows.states / .ids): then nothing is copied."""
+        each sequence's root (its last valid input id) and its tree's `nodes` best nodes (None:
+        all), in one call. Returns the whole trees and what verify returns: logits, captured, input
+        ids and the verified tree's mask. captured and input_ids may be the last call's hand-off
+        (KeptRows.states / .ids): then nothing is copied."""
         t, d, p = self.target, self.drafter, PREFIX
-        Tp, T = int(captured.shape[1]), 1 + self.nodes
+        nodes = self.nodes if nodes is None else min(nodes, self.nodes)
+        if nodes < 1 or (nodes < self.nodes and not self.any_nodes):
+            raise ValueError(f"the iteration graph verifies 1..{self.nodes} nodes" if self.any_nodes else
+                             f"this iteration graph (composed before format 3) verifies whole trees only, not "
+                             f"{nodes} of {self.nodes} nodes: compose it again (python -m eagle_trt.build --force export)")
+        Tp, T = int(captured.shape[1]), 1 + nodes
         rows = max(Tp, self.min_rows)
         slots, drafted, d_width = d._stage(slots, rows)
         slots, committed, t_width = t._stage(slots, T)
@@ -565,4 +576,4 @@ class OrtIteration(_Timed):
         d.commit_new_rows(bound.staged_all[1], None, new_lengths)
         t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
         tree = bound.draft_tree(PREFIX)
-        return tree, out["logits"], out["captured"], out["input_ids"], tree.mask
+        return tree, out["logits"], out["captured"], out["input_ids"], tree.top(nodes).mask
