@@ -83,9 +83,10 @@ def test_every_stage_runs_and_the_manifest_lists_every_artifact(tiny):
     assert sum(n.op_type == "MatMulInteger" for n in served.graph.node) > 0
     assert not (tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.onnx").exists()
     from eagle_trt.build.triton import served_graphs    # what make demo times
-    assert served_graphs(tiny["out"] / "triton", "eagle_trt") == {
+    assert served_graphs(tiny["out"] / "triton", "eagle_trt") == {   # and the two composed (FP8 included)
         "target": tiny["out"] / "triton/eagle_trt/1/graphs/target.fp8.onnx",
-        "drafter_tree": tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx"}
+        "drafter_tree": tiny["out"] / "triton/eagle_trt/1/graphs/drafter_tree.int8.onnx",
+        "iteration": tiny["out"] / "triton/eagle_trt/1/graphs/iteration.onnx"}
     report = json.loads((tiny["out"] / "parity/report.json").read_text())
     assert report["passed"] and report["quantized"]["target"]["layers"] > 0
     target = next(g for g in report["graphs"] if g["name"] == "target")    # greedy acceptance inside the target graph
@@ -114,6 +115,7 @@ def test_second_run_is_all_cached_and_rewrites_nothing(tiny, tmp_path):
 @pytest.mark.parametrize("change, reran", [
     ({"serving": {"max_tokens": 5}}, {"triton"}),
     ({"serving": {"drafter_weights": "float"}}, {"triton"}),
+    ({"serving": {"iteration_graph": "off"}}, {"triton"}),
     ({"precision": {"target": {"format": "fp32"}}, "serving": {"iteration_graph": "on"}}, {"parity", "triton"}),
     ({"parity": {"prompts": 2}}, {"parity"}),
     ({"calibration": {"prompts": 3}}, {"quantize", "parity", "triton"}),
@@ -135,13 +137,14 @@ def test_a_changed_section_reruns_only_the_stages_that_depend_on_it(tiny, tmp_pa
         assert settings["graphs"]["drafter_tree"] == ("graphs/drafter_tree.onnx" if float_drafter
                                                       else "graphs/drafter_tree.int8.onnx")
         assert settings["precision"]["drafter_tree"] == ("float" if float_drafter else "int8")
-        # an fp32 target: the served graphs composed into one (the tiny build's FP8 target is not)
-        one_call = change.get("precision", {}).get("target", {}).get("format") == "fp32"
-        assert ("iteration" in settings["graphs"]) == one_call
-        # and the parity stage checked that composition against PyTorch, leaving its bundle, not the graph
+        # the served graphs composed into one unless serving.iteration_graph is off (FP8 ones too)
+        assert ("iteration" in settings["graphs"]) == (change["serving"].get("iteration_graph") != "off")
+        # with an fp32 target the parity stage checked that composition against PyTorch, leaving
+        # its bundle, not the graph (a quantized target's graphs are checked apart)
+        fp32 = change.get("precision", {}).get("target", {}).get("format") == "fp32"
         report = json.loads((out / "parity/report.json").read_text())
-        assert ("iteration" in {g["name"] for g in report["graphs"]}) == one_call and report["passed"]
-        assert (out / "parity/bundles/iteration.reference.json").exists() == one_call
+        assert ("iteration" in {g["name"] for g in report["graphs"]}) == fp32 and report["passed"]
+        assert (out / "parity/bundles/iteration.reference.json").exists() == fp32
         assert not (out / "parity/iteration").exists()
 
 

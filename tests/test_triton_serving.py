@@ -290,11 +290,13 @@ FP8_TARGETS = {"llama": {}, "qwen3": {"family": "qwen3", "extra": dict(head_dim=
 
 @pytest.mark.parametrize("family", list(FP8_TARGETS))
 def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, monkeypatch):
-    """An FP8 build (tiny target and drafter) served in-process: the model opens its FP8 graphs
-    with the FP8 ONNX Runtime backends (weight DQs folded, 2-row padding), so its stream equals
-    the offline FP8 runtime's tokens, which equal FP8 greedy decoding. The weights are kept
-    outside the graphs (threshold 0) and the repository is served from a copy in another
-    folder, the built one deleted: it holds every file its graphs read."""
+    """An FP8 build (tiny target and drafter) served in-process: the model opens its FP8 graphs,
+    and the iteration graph composed of them, with the FP8 ONNX Runtime settings (weight DQs
+    folded, 2-row padding), so its stream equals the offline FP8 runtime's tokens, which equal
+    FP8 greedy decoding. The weights are kept outside the graphs (threshold 0: the iteration
+    graph is composed from the repository's hard-linked data files) and the repository is
+    served from a copy in another folder, the built one deleted: it holds every file its graphs
+    read."""
     import json
     import shutil
 
@@ -324,8 +326,9 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     moved = tmp_path / "elsewhere" / "triton"
     shutil.copytree(m.artifact("triton"), moved)
     shutil.rmtree(m.artifact("triton"))
-    assert {p.name for p in (moved / MODEL / "1" / "graphs").iterdir()} == {
-        "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data"}
+    assert {p.name for p in (moved / MODEL / "1" / "graphs").iterdir()} == {   # the iteration graph: both in one
+        "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data",
+        "iteration.onnx", "iteration.onnx.data"}
     with LocalTriton(moved) as server:
         stream = Stream(server)
         try:

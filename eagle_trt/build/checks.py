@@ -50,7 +50,7 @@ def run_parity_stage(b, out: Path) -> dict:
     quantized = [m for m in ("target", "drafter") if getattr(cfg.precision, m).quantized]
     # the iteration graph ONNX Runtime serves (serving.iteration_graph), composed of the float
     # graphs as the TensorRT-checkable one is; composed here for its check and bundle, then dropped
-    iteration = b.ort_iteration_graph and not quantized
+    iteration = b.parity_checks_iteration
     progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized) + 2 * iteration, b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)

@@ -178,8 +178,8 @@ class ServingSection:
     # where that graph is fp32.
     drafter_weights: Literal["auto", "int8", "float"] = "auto"
     # Where ONNX Runtime serves: the drafter and target graphs composed into one iteration graph
-    # (export/iteration.py), one call for each iteration that drafts. auto: on
-    # unless a graph is FP8 (ONNX Runtime runs FP8 graphs with settings of their own).
+    # (export/iteration.py), one call for each iteration that drafts. auto: on (FP8 graphs
+    # too, run with their own session settings: quant/run.py Fp8OrtIteration).
     iteration_graph: Literal["auto", "on", "off"] = "auto"
 
     def check(self, at: str, source: str) -> None:

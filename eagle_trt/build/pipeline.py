@@ -336,18 +336,25 @@ class Build:
 
     @property
     def ort_iteration_graph(self) -> bool:
-        """Whether ONNX Runtime serves the iteration graph (serving.iteration_graph; auto: where
-        neither graph is FP8)."""
-        mode = self.cfg.serving.iteration_graph
-        fp8 = "fp8" in (self.cfg.precision.target.format, self.cfg.precision.drafter.format)
-        return mode == "on" or (mode == "auto" and not fp8)
+        """Whether ONNX Runtime serves the iteration graph (serving.iteration_graph; auto: on,
+        FP8 graphs included since the Triton model runs them with their own session settings:
+        quant/run.py Fp8OrtIteration)."""
+        return self.cfg.serving.iteration_graph in ("on", "auto")
+
+    @property
+    def parity_checks_iteration(self) -> bool:
+        """Whether the parity stage checks the served iteration graph against PyTorch: where it is
+        composed of float graphs (quantized graphs are checked on their own, against fake-quant
+        references; their composition is the same mechanical step)."""
+        return self.ort_iteration_graph and not any(getattr(self.cfg.precision, m).quantized
+                                                    for m in ("target", "drafter"))
 
     def parity(self, selected: bool) -> StageResult:
         from ..export.iteration import ITERATION_FORMAT
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
                "precision": cfg.section("precision"), "device": self.device.type,
-               "iteration_graph": self.ort_iteration_graph and ITERATION_FORMAT}
+               "iteration_graph": self.parity_checks_iteration and ITERATION_FORMAT}
         skip = None if cfg.parity.enabled else "parity.enabled is false in the config"
 
         def run(tmp: Path) -> dict:

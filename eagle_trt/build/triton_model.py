@@ -146,7 +146,7 @@ class TritonPythonModel:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
         else:
-            from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtTarget
+            from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtIteration, Fp8OrtTarget
             from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
@@ -155,7 +155,8 @@ class TritonPythonModel:
             drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
                                                                              threads)
             if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
-                iteration = OrtIteration(folder / s["graphs"]["iteration"], target, drafter, threads)
+                iteration = (Fp8OrtIteration if any(fp8.values()) else OrtIteration)(
+                    folder / s["graphs"]["iteration"], target, drafter, threads)
         # One running batch per model instance: requests join it between iterations and leave it
         # when done; the cost model decides per iteration how much of each draft tree to verify.
         cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))

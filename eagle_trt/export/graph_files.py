@@ -94,21 +94,44 @@ def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, ch
         for tensor in _tensors(model):
             if not uses_external_data(tensor) or tensor.name in moved:
                 continue
-            info = {e.key: e.value for e in tensor.external_data}
-            src = source_dir / info["location"]
-            start, length = int(info.get("offset", 0)), info.get("length")
-            left = int(length) if length is not None else src.stat().st_size - start
-            size = left
-            with open(src, "rb") as f:
-                f.seek(start)
-                while left:
-                    block = f.read(min(chunk, left))
-                    if not block:
-                        raise GraphFileError(f"{src}: ends before the {size} bytes tensor {tensor.name!r} needs")
-                    out.write(block)
-                    left -= len(block)
+            size = 0
+            for block in _external_blocks(tensor, source_dir, chunk):
+                out.write(block)
+                size += len(block)
             point_to_data(tensor, data, offset, size)
             offset += size
+
+
+def load_weights(model: onnx.ModelProto, source_dir: str | Path) -> None:
+    """Read every external tensor of `model` (loaded with load_external_data=False from a graph in
+    source_dir) into the graph. onnx.load refuses a data file with several hard links, which is
+    how a Triton repository shares a build's graphs: this reads them as _copy_external_data does."""
+    for tensor in _tensors(model):
+        if uses_external_data(tensor):
+            tensor.raw_data = b"".join(_external_blocks(tensor, Path(source_dir)))
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def _external_blocks(tensor: onnx.TensorProto, source_dir: Path, chunk: int = 64 << 20):
+    """The bytes of an external tensor, in blocks of at most `chunk`."""
+    info = {e.key: e.value for e in tensor.external_data}
+    location = Path(info["location"])
+    if location.is_absolute() or ".." in location.parts:
+        raise GraphFileError(f"tensor {tensor.name!r}: external data location {info['location']!r} is outside "
+                             f"the graph's folder {source_dir}")
+    src = source_dir / location
+    start, length = int(info.get("offset", 0)), info.get("length")
+    left = int(length) if length is not None else src.stat().st_size - start
+    size = left
+    with open(src, "rb") as f:
+        f.seek(start)
+        while left:
+            block = f.read(min(chunk, left))
+            if not block:
+                raise GraphFileError(f"{src}: ends before the {size} bytes tensor {tensor.name!r} needs")
+            yield block
+            left -= len(block)
 
 
 def install_graph(written: list[Path], dst: str | Path) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph_files import install_graph, save_graph
+from .graph_files import install_graph, load_weights, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
 
@@ -162,7 +162,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
         if not p.is_file():
             raise FileNotFoundError(f"{p}: ONNX graph not found")
     target = onnx.load(str(target_path), load_external_data=False)
-    drafter = onnx.load(str(drafter_path))
+    drafter = onnx.load(str(drafter_path), load_external_data=False)
+    load_weights(drafter, drafter_path.parent)     # also from a repository's hard-linked data files
     t_in, t_out = _io(target.graph)
     d_in, d_out = _io(drafter.graph)
     for name in (*TARGET_FED, "past_key_0", "logits", "captured", "accept_path"):

@@ -23,10 +23,10 @@ from .check import LayerParity, layer_parity
 from .config import FORMATS, QuantConfig, QuantError, QuantPlan
 from .fakequant import QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
 from .onnx_qdq import QDQSummary, module_for_node, quantize_graph, quantize_onnx
-from .run import (FP8_ORT_LEVEL, Fp8OrtDrafter, Fp8OrtTarget, TRT_FP4DynamicQuantize, fp8_backends, fp8_session,
+from .run import (FP8_ORT_LEVEL, Fp8OrtDrafter, Fp8OrtIteration, Fp8OrtTarget, TRT_FP4DynamicQuantize, fp8_backends, fp8_session,
                   reference_evaluator, run_graph)
 
-__all__ = ["FORMATS", "FP8_ORT_LEVEL", "AmaxRecorder", "Fp8OrtDrafter", "Fp8OrtTarget", "LayerParity", "QDQSummary",
+__all__ = ["FORMATS", "FP8_ORT_LEVEL", "AmaxRecorder", "Fp8OrtDrafter", "Fp8OrtIteration", "Fp8OrtTarget", "LayerParity", "QDQSummary",
            "QuantConfig", "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
            "calibrate_drafter", "calibrate_target", "calibration_prompts", "fp8_backends", "fp8_session",
            "layer_parity", "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",

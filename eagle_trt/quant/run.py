@@ -23,7 +23,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from ..config import TreeShape
-from ..runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from ..runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 from .config import QuantError
 
 FP8_ORT_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -125,6 +125,15 @@ class Fp8OrtDrafter(OrtDrafter):
         super().__init__(path, shape, threads, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
 
 
+class Fp8OrtIteration(OrtIteration):
+    """OrtIteration with the FP8 session settings: an iteration graph composed of FP8 graphs
+    runs their nodes as Fp8OrtTarget and Fp8OrtDrafter run them (every call has >= 2 target
+    rows, so the 2-row padding never applies)."""
+
+    def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = 1, **kwargs):
+        super().__init__(path, target, drafter, threads, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG, **kwargs)
+
+
 def fp8_backends(target_graph: str | Path | None, drafter_graph: str | Path | None, shape: TreeShape,
                  max_context: int, threads: int | None = 1) -> tuple[OrtTarget | None, OrtDrafter | None]:
     """ONNX Runtime target / drafter-tree backends for FP8 (or float) graphs."""
@@ -133,5 +142,5 @@ def fp8_backends(target_graph: str | Path | None, drafter_graph: str | Path | No
     return target, drafter
 
 
-__all__ = ["FP8_ORT_LEVEL", "FP8_SESSION_CONFIG", "Fp8OrtDrafter", "Fp8OrtTarget", "TRT_FP4DynamicQuantize", "fp8_backends", "fp8_session",
+__all__ = ["FP8_ORT_LEVEL", "FP8_SESSION_CONFIG", "Fp8OrtDrafter", "Fp8OrtIteration", "Fp8OrtTarget", "TRT_FP4DynamicQuantize", "fp8_backends", "fp8_session",
            "fp8_session_options", "is_nvfp4_graph", "reference_evaluator", "run_graph"]
