@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import threading
 
 import numpy as np
@@ -553,6 +554,21 @@ def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(setup, iterati
         assert (iteration.handoffs > 0) == handoff
     for batch in (1, 3, 8):
         assert runs[True, batch] == runs[False, batch], f"batch {batch}: the hand-off drafted other trees"
+    # steps verifying other subtrees than the last (T differs: other bindings) still read the last
+    # step's hand-off in place, and decode what the two-call loop decodes with the same choices
+    sizes = itertools.cycle([2, SHAPE.total_tokens, 1])
+    tokens = {}
+    for one_call in (True, False):
+        model = _model(per_row=0.0001, fixed=0.03, accepted=[1.0 + 0.2 * n for n in range(SHAPE.total_tokens + 1)])
+        model.choose = lambda batch, backlog=0, remaining=None: next(sizes)
+        iteration = OrtIteration(iteration_graph, target, drafter)
+        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model, iteration=iteration if one_call else None)
+        results = decoder.generate_batch([Request(p, n) for p, n in zip(prompts, limits)], max_batch=3)
+        tokens[one_call] = [r.tokens for r in results]
+        if one_call:
+            assert len(set(decoder.verified)) == 3 and iteration.graph_calls == len(decoder.verified)
+            assert iteration.handoffs > len(decoder.verified) // 2, (iteration.handoffs, len(decoder.verified))
+    assert tokens[True] == tokens[False]
 
 
 def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(setup, iteration_graph, tmp_path):

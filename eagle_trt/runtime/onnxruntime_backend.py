@@ -134,10 +134,17 @@ class TwinBinding:
     (`bind_crossed`): side 0 reads the first buffer and writes the second, side 1 the other way
     round. A call runs one side (`io`) and `turn` picks the other, so what a call writes is the
     next call's input without a bind made (a bind right after a graph call costs 10-15 us on
-    this CPU: rebinding the pair each call cost more than the host copy it saved)."""
+    this CPU: rebinding the pair each call cost more than the host copy it saved). Bindings of
+    other call shapes that cross the same buffers share the side (`turns`, a one-item list), so
+    the next call reads what the last one wrote whichever shape it has."""
 
-    def __init__(self, session: ort.InferenceSession):
-        self.sides, self.side = [CpuBinding(session), CpuBinding(session)], 0
+    def __init__(self, session: ort.InferenceSession, turns: list[int] | None = None):
+        self.sides = [CpuBinding(session), CpuBinding(session)]
+        self.turns = turns if turns is not None else [0]
+
+    @property
+    def side(self) -> int:
+        return self.turns[0]
 
     @property
     def io(self) -> ort.IOBinding:
@@ -154,7 +161,7 @@ class TwinBinding:
             side.bind(handed, written, output=True)
 
     def turn(self) -> None:
-        self.side = 1 - self.side
+        self.turns[0] = 1 - self.turns[0]
 
 
 def bind_past(binding: CpuBinding | TwinBinding, cache, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
@@ -516,15 +523,26 @@ class OrtIteration(_Timed):
         self.handoffs = 0     # calls whose drafter inputs were the last call's hand-off, in place
         names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
         self.bindings = Bindings(self.session, names, self._buffers, twin=self.has_handoff)
+        self.handoff_buffers: dict[tuple[int, int], tuple] = {}   # (batch, rows) -> (pairs, numpy views, turns)
+
+    def __copy__(self):
+        other = super().__copy__()
+        other.handoff_buffers = {}      # its own bindings cross buffers of their own
+        return other
 
     def _buffers(self, bound: Bound, b: int, T: int, Tp: int) -> None:
         t, d, p = self.target, self.drafter, PREFIX
         drafter_inputs = ((p + "captured", d.captured_dtype, [b, Tp, d.captured_width]), (p + "input_ids", torch.int64, [b, Tp]))
-        if self.has_handoff:     # two of each, read and written in turn by the TwinBinding's sides
-            pairs = [[torch.zeros(shape, dtype=dtype) for _ in range(2)] for _, dtype, shape in drafter_inputs]
+        if self.has_handoff:     # two of each, read and written in turn by the TwinBinding's sides,
+            # one set per batch size whatever the nodes verified (T): a step verifying another
+            # subtree than the last still reads the last one's hand-off in place
+            if (b, Tp) not in self.handoff_buffers:
+                pairs = [[torch.zeros(shape, dtype=dtype) for _ in range(2)] for _, dtype, shape in drafter_inputs]
+                views = [tuple(pair[side].numpy() for pair in pairs) for side in range(2)]   # one set: run
+                self.handoff_buffers[b, Tp] = pairs, views, [0]                               # compares by identity
+            pairs, bound.handoff, bound.binding.turns = self.handoff_buffers[b, Tp]
             for (given, _, _), handed, (first, second) in zip(drafter_inputs, HANDOFF, pairs):
                 bound.binding.bind_crossed(given, handed, first, second)
-            bound.handoff = [tuple(pair[side].numpy() for pair in pairs) for side in range(2)]
         else:                    # padding ids zero: valid ids
             for name, dtype, shape in drafter_inputs:
                 bound.buffer(name, dtype, shape, output=False).zero_()
