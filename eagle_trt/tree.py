@@ -51,17 +51,22 @@ class DraftTree:
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tokens, mask and depths as numpy arrays (a CPU tree): the backend's views where it has them
         (each torch .numpy() costs ~10 us right after a graph call)."""
-        return self._numpy()[:3]
+        views = self._views()
+        return views[:3] if views is not None else (self.tokens.numpy(), self.mask.numpy(), self.depths.numpy())
 
     def host_scores(self) -> np.ndarray | Tensor:
         """scores as a numpy array on the CPU (the backend's view where it has one), else the tensor."""
-        return self._numpy()[3] if self.scores.device.type == "cpu" else self.scores
+        if self.scores.device.type != "cpu":
+            return self.scores
+        views = self._views()
+        return views[3] if views is not None else self.scores.numpy()
 
-    def _numpy(self) -> tuple[np.ndarray, ...]:
-        a, fields = self.arrays, (self.tokens, self.mask, self.depths, self.scores)
-        if a is not None and all(x is y for x, y in zip(a[0], fields)):
+    def _views(self) -> tuple[np.ndarray, ...] | None:
+        """The backend's numpy views of tokens, mask, depths and scores, while those are the fields."""
+        a = self.arrays
+        if a is not None and all(x is y for x, y in zip(a[0], (self.tokens, self.mask, self.depths, self.scores))):
             return a[1]
-        return tuple(t.numpy() for t in fields)
+        return None
 
     def to(self, device) -> "DraftTree":
         return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.mask, self.depths, self.scores)))
@@ -83,7 +88,8 @@ class DraftTree:
         def cut(tokens, mask, depths, scores):
             return tokens[..., :n], mask[..., :n + 1, :n + 1], depths[..., :n + 1], scores[..., :n]
         views = cut(self.tokens, self.mask, self.depths, self.scores)
-        arrays = (views, cut(*self._numpy())) if self.arrays is not None else None
+        host = self._views()
+        arrays = (views, cut(*host)) if host is not None else None
         top = self.tops[n] = DraftTree(views[0], self.parents[..., :n + 1], views[1], views[2], views[3], arrays)
         return top
 
