@@ -138,9 +138,9 @@ class TwinBinding:
     other call shapes that cross the same buffers share the side (`turns`, a one-item list), so
     the next call reads what the last one wrote whichever shape it has."""
 
-    def __init__(self, session: ort.InferenceSession, turns: list[int] | None = None):
+    def __init__(self, session: ort.InferenceSession):
         self.sides = [CpuBinding(session), CpuBinding(session)]
-        self.turns = turns if turns is not None else [0]
+        self.turns = [0]       # replaced by a shared list where other bindings cross the same buffers
 
     @property
     def side(self) -> int:
