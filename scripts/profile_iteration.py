@@ -7,6 +7,7 @@ after the same warm-up on held-out prompts).
                                         [--iteration-graph]   (one call an iteration)
     python scripts/profile_iteration.py --streams 8 --prompts 16 [--runs 3]
     python scripts/profile_iteration.py --streams 8 --prompts 16 --iteration-graph --nodes 2 --subtree-calls alternate --runs 6
+    python scripts/profile_iteration.py --iteration-graph --temperature 0.7 --top-p 0.9 [--top-k 50]   (sampled)
 
 Prints host ms per iteration (wall time minus time inside graph calls, measured without the
 profiler), then the host time of each step of the loop (timers around its methods), then the
@@ -20,11 +21,13 @@ import pstats
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from eagle_trt.api import prepare_models, real_prompt_ids
 from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
+from eagle_trt.config import SamplingConfig
 from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.backend import DrafterBackend
 from eagle_trt.runtime.cost import CostModel
@@ -35,19 +38,22 @@ from eagle_trt.runtime.timing import OrtDecoding, decoding_threads, graph_second
 
 
 def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched: SpeculativeDecoder | None = None,
-        streams: int = 1) -> tuple[float, float, int]:
+        streams: int = 1, sampling: SamplingConfig | None = None) -> tuple[float, float, int]:
     """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the
-    prompts: one at a time, or `streams` at a time through `batched`."""
+    prompts: one at a time, or `streams` at a time through `batched`; greedy, or sampled with
+    `sampling` (prompt i seeded with i)."""
+    settings = [replace(sampling, seed=i) if sampling else SamplingConfig() for i in range(len(prompts))]
     graph0 = graph_seconds(*ort.sessions.values())
     start, iterations = time.perf_counter(), 0
     if batched is not None:
         batched.verified.clear()
         with decoding_threads():
-            batched.generate_batch([Request(ids, max_new_tokens) for ids in prompts], streams)
+            batched.generate_batch([Request(ids, max_new_tokens, how) for ids, how in zip(prompts, settings)], streams)
         iterations = len(batched.verified)
     else:
-        for ids in prompts:
-            iterations += ort.speculative(ids, max_new_tokens).drafter_calls
+        with decoding_threads():
+            for ids, how in zip(prompts, settings):
+                iterations += ort.decoder.generate(ids, max_new_tokens, how).drafter_calls
     wall = time.perf_counter() - start
     return wall, graph_seconds(*ort.sessions.values()) - graph0, iterations
 
@@ -115,9 +121,13 @@ def main(argv=None) -> int:
     p.add_argument("--subtree-calls", choices=["one", "two", "alternate"], default="one",
                    help="with --iteration-graph: verify subtrees in the iteration graph's one call (verify_nodes), "
                    "in two calls as graphs before format 3 did, or alternate the two run by run (an A/B)")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decoding (with --top-p, --top-k)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--runs", type=int, default=1, help="measured runs before the tables, each reported: the first "
                    "after the warm-up can pay for growing the KV storages (fresh memory faults in page by page)")
     args = p.parse_args(argv)
+    sampling = None if args.temperature == 0 else SamplingConfig(args.temperature, args.top_p, args.top_k).validate()
     shape = parse_tree(args.tree)
     models = prepare_models(args.target, args.drafter, log=sys.stderr)
     folder = cache_dir() / "profile" / models.target.folder.name / f"{shape.depth}-{shape.top_k}-{shape.total_tokens}"
@@ -143,14 +153,14 @@ def main(argv=None) -> int:
                                                                               shape.top_k * (shape.depth - 1))
         batched = SpeculativeDecoder(ort.target, ort.drafter, models.eos_ids, models.target.config.vocab_size,
                                      model, iteration=ort.iteration)
-        run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams)
+        run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams, sampling)
     measured = prompts[held_out:]
     sessions = ort.sessions
     made = [(b.made, b.rebound) for b in (s.bindings for s in sessions.values())]
     counted, calls = 0, ort.iteration and (ort.iteration.graph_calls, ort.iteration.handoffs)
     for k in range(args.runs):
         way = subtree_calls(k) if ort.iteration is not None else ""
-        wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams)
+        wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams, sampling)
         if batched is not None:
             print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
                   f"{sum(batched.verified) / len(batched.verified):.2f} "
@@ -166,13 +176,13 @@ def main(argv=None) -> int:
     print("ONNX Runtime bindings per iteration (made new / past bound again): " + ", ".join(
         f"{role.removesuffix('_graph')} {m / counted:.2f} / {r / counted:.2f}" for role, (m, r) in zip(sessions, made)))
     with phase_timers(ort) as spent:
-        run(ort, measured, args.max_new_tokens, batched, args.streams)
+        run(ort, measured, args.max_new_tokens, batched, args.streams, sampling)
     print("\nhost time by step of the loop (ms per iteration; the timers add a little of their own):")
     for label, seconds in spent.items():
         print(f"  {label:62s} {1e3 * seconds / iterations:6.3f}")
     profiler = cProfile.Profile()
     profiler.enable()
-    run(ort, measured, args.max_new_tokens, batched, args.streams)
+    run(ort, measured, args.max_new_tokens, batched, args.streams, sampling)
     profiler.disable()
     rows = sorted(((ct if args.cumulative else tt, calls, f"{Path(file).name}:{line}({name})")
                    for (file, line, name), (_, calls, tt, ct, _) in pstats.Stats(profiler).stats.items()

@@ -22,7 +22,7 @@ from eagle_trt.config import CaptureLayers, SamplingConfig, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
-from eagle_trt.verify import children_lists, target_probs
+from eagle_trt.verify import NUCLEUS_FIRST, children_lists, draw, target_probs
 
 VOCAB = 12
 PROMPT = [1, 5, 7, 3]
@@ -439,6 +439,56 @@ def test_target_probs_top_p_always_keeps_one_and_order_of_operations():
             continue
         torch.testing.assert_close(target_probs(x, SamplingConfig(temperature=t, top_k=k, top_p=tp)).double(),
                                    _ref_target_probs(x, t, k, tp), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 1.0, 0.3], ids=lambda s: f"logit_std{s}")
+def test_target_probs_top_p_large_vocabulary(scale):
+    """A real vocabulary's size: the nucleus is cut from the largest probabilities (torch.topk),
+    looking further while their mass falls short. From a few tokens (peaked) to most of the
+    vocabulary (flat), every row equals the smallest most-probable-first prefix reaching top_p."""
+    V, top_p = 6000, 0.9
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    x = _safe_logits(gen, V, 1.0, top_p, rows=4) * scale / 2.5
+    base = torch.softmax(x.double(), -1)
+    p = target_probs(x, SamplingConfig(temperature=1.0, top_p=top_p))
+    sizes = []
+    for row in range(x.shape[0]):
+        order = torch.argsort(base[row], descending=True)
+        m = int((base[row][order].cumsum(0) < top_p).sum()) + 1
+        kept = torch.zeros(V, dtype=torch.bool)
+        kept[order[:m]] = True
+        if (base[row][order[m - 1]] - base[row][order[m]]).abs() > 1e-12:   # no tie at the cut
+            assert torch.equal(p[row] > 0, kept), row
+        expected = torch.where(kept, base[row], 0.0)
+        torch.testing.assert_close(p[row].double(), expected / expected.sum(), atol=1e-6, rtol=1e-4)
+        sizes.append(m)
+    if scale == 8.0:
+        assert max(sizes) < NUCLEUS_FIRST      # found in the first look
+    if scale == 0.3:
+        assert min(sizes) > 8 * NUCLEUS_FIRST  # past the second: the sorted whole
+
+
+def test_target_probs_top_k_keeps_ties_with_the_kth():
+    """transformers' TopKLogitsWarper drops only logits below the k-th largest: ties stay."""
+    x = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0, 2.0])
+    p = target_probs(x, SamplingConfig(temperature=1.0, top_k=2))
+    assert (p > 0).tolist() == [True, False, True, True, False, True]
+    torch.testing.assert_close(p[2:4], p[[5, 5]])
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_zero():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.35, 0.0, 0.25, 0.15, 0.1, 0.1, 0.05, 0.0])
+    counts = torch.zeros(len(probs), dtype=torch.int64)
+    for _ in range(4000):
+        counts[draw(probs * 3.0, gen)] += 1        # unnormalised weights: the same distribution
+    assert chi_square_p(counts, probs) > 1e-3
+    # the check can fail: draws from other probabilities are rejected
+    skewed = torch.zeros(len(probs), dtype=torch.int64)
+    for _ in range(4000):
+        skewed[draw(torch.tensor([0.0, 0.25, 0.0, 0.35, 0.15, 0.1, 0.1, 0.05, 0.0]), gen)] += 1
+    assert chi_square_p(skewed, probs) < 1e-6
+    assert draw(torch.tensor([0.0, 0.0, 2.0, 0.0]), gen) == 2
 
 
 # ----------------------------------------------------------------------------- greedy
