@@ -3,7 +3,8 @@
 
     python -m eagle_trt.bench --workloads mtbench,humaneval,long-2k --prompts 20 --out bench/
 
-Per workload, all at temperature 0 on the same prompts and the same machine:
+Per workload, all at temperature 0 (or all sampled: --temperature, --top-p, --top-k) on the same
+prompts and the same machine:
 - `transformers`: AutoModelForCausalLM.generate (greedy, KV cache) on the same weights, on --device;
 - `autoregressive`: one target-graph call per token (ONNX Runtime, same graphs and precision);
 - `speculative`: the drafter-tree graph (int8 weights, as the build's Triton repository serves an
@@ -30,6 +31,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ import torch
 from . import concurrency
 from .api import prepare_models
 from .checkpoints import CheckpointError, cache_dir
-from .config import ConfigError, TreeShape
+from .config import ConfigError, SamplingConfig, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .evaluate import depth_rates
 from .export import export_pipeline
@@ -128,6 +130,13 @@ def sweep_label(row: dict) -> str:
     return f"tree {tuple(row['tree'])}" + (", trimmed" if row["node_trim"] else "")
 
 
+def _decoding(sampling: SamplingConfig | None) -> str:
+    if sampling is None:
+        return "temperature 0"
+    return (f"sampled: temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, top-k {sampling.top_k or 'off'}"
+            f" (outputs differ between modes)")
+
+
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux: KiB
 
@@ -141,12 +150,19 @@ class HFBaseline:
         self.device = device
 
     @torch.inference_mode()
-    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
+    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int],
+                 sampling: SamplingConfig | None = None) -> tuple[list[int], float]:
+        """Greedy, or sampled as `sampling` says (its seed seeds torch's global generator, which
+        generate() draws from)."""
+        how = {"do_sample": False}
+        if sampling is not None and not sampling.greedy:
+            torch.manual_seed(sampling.seed or 0)
+            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                   "top_k": sampling.top_k}      # top_k 0: off (generate's own default is 50)
         start = time.perf_counter()
         x = torch.tensor([ids], device=self.device)
-        out = self.model.generate(x, attention_mask=torch.ones_like(x),
-                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
-                                  pad_token_id=sorted(eos)[0])
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                  eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0], **how)
         seconds = time.perf_counter() - start
         tokens = out[0, len(ids):].tolist()
         cut = next((i for i, t in enumerate(tokens) if t in eos), None)
@@ -154,7 +170,10 @@ class HFBaseline:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDecoding, max_new_tokens: int,
-                 depth: int, torch_decoder: SpeculativeDecoder | None = None, repeats: int = 2) -> dict:
+                 depth: int, torch_decoder: SpeculativeDecoder | None = None, repeats: int = 2,
+                 sampling: SamplingConfig | None = None) -> dict:
+    """sampling: every mode samples, prompt i with seed i; outputs then differ between modes (each
+    draws its own way from the same distribution), so identical_outputs is None."""
     eos = ort.eos
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
     torch_identical = 0
@@ -163,10 +182,11 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
     for i, ids in enumerate(prompts):
-        hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos)
+        how = replace(sampling, seed=i) if sampling is not None else None
+        hf_tokens, hf_s = hf.generate(ids, max_new_tokens, eos, how)
         rows["transformers"]["tokens"] += len(hf_tokens)
         rows["transformers"]["seconds"] += hf_s
-        sp, ar, graph_s = ort.compare(ids, max_new_tokens, repeats)
+        sp, ar, graph_s = ort.compare(ids, max_new_tokens, repeats, how)
         rows["autoregressive"]["tokens"] += len(ar.tokens)
         rows["autoregressive"]["seconds"] += ar.seconds
         calls["autoregressive"] += ar.target_calls
@@ -179,14 +199,14 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
         if torch_decoder is not None:   # the PyTorch backend on --device: lossless against its own AR loop
-            t_ar = generate_autoregressive(torch_decoder.target, ids, max_new_tokens, eos)
-            t_sp = torch_decoder.generate(ids, max_new_tokens)
+            t_ar = generate_autoregressive(torch_decoder.target, ids, max_new_tokens, eos, how)
+            t_sp = torch_decoder.generate(ids, max_new_tokens, how)
             for mode, run in zip(TORCH_MODES, (t_ar, t_sp)):
                 rows[mode]["tokens"] += len(run.tokens)
                 rows[mode]["seconds"] += run.seconds
             torch_identical += t_sp.tokens == t_ar.tokens
             with synced_graph_seconds(torch_decoder.target, torch_decoder.drafter):   # where its time goes
-                synced = torch_decoder.generate(ids, max_new_tokens)
+                synced = torch_decoder.generate(ids, max_new_tokens, how)
                 torch_split["seconds"] += synced.seconds
                 torch_split["target_graph"] += torch_decoder.target.graph_seconds
                 torch_split["drafter_graph"] += torch_decoder.drafter.graph_seconds
@@ -217,10 +237,10 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
             "speedup_vs_autoregressive": rows["speculative"]["tokens_per_second"] / rows["autoregressive"]["tokens_per_second"],
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": dict({k: v / spec_s for k, v in split.items()}, host=1 - sum(split.values()) / spec_s),
-            "cost": cost, "identical_outputs": identical, "peak_rss_gb": peak_rss_gb(),
+            "cost": cost, "identical_outputs": identical if sampling is None else None, "peak_rss_gb": peak_rss_gb(),
             **({"torch_speedup": rows["torch-speculative"]["tokens_per_second"]
                 / rows["torch-autoregressive"]["tokens_per_second"],
-                "torch_identical_outputs": torch_identical,
+                "torch_identical_outputs": torch_identical if sampling is None else None,
                 # a separate run with the device synchronized around each model call (its own seconds)
                 "torch_host_ms_per_iteration": 1e3 * (torch_split["seconds"] - torch_split["target_graph"]
                                                       - torch_split["drafter_graph"]) / torch_split["iterations"],
@@ -238,7 +258,7 @@ def format_table(results: list[dict]) -> str:
                      f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
                      f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
                      f"{s.get('iteration_graph', 0.0):>8.1%}"
-                     f"{s['host']:>7.1%}{r['identical_outputs']:>4}/{r['prompts']:<2}")
+                     f"{s['host']:>7.1%}{_same(r['identical_outputs'], r['prompts'])}")
     head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'1 call':>8}{'host':>7}{'iteration':>11}"
             f"{'break-even':>12}{'for 1.8x':>10}{'measured':>10}")
     lines += ["", "where the time goes (ms per call; '1 call': drafting and verification in the iteration graph, "
@@ -258,8 +278,13 @@ def format_table(results: list[dict]) -> str:
             m = r["modes"]
             lines.append(f"{r['workload']:<10}{m['torch-autoregressive']['tokens_per_second']:>16.1f}"
                          f"{m['torch-speculative']['tokens_per_second']:>18.1f}{r['torch_speedup']:>9.2f}x"
-                         f"{r['torch_identical_outputs']:>4}/{r['prompts']:<2}{r['torch_host_ms_per_iteration']:>11.2f}")
+                         f"{_same(r['torch_identical_outputs'], r['prompts'])}{r['torch_host_ms_per_iteration']:>11.2f}")
     return "\n".join(lines)
+
+
+def _same(identical: int | None, prompts: int) -> str:
+    """The 'same' column: identical outputs of prompts, or '-' where the modes sampled."""
+    return f"{identical:>4}/{prompts:<2}" if identical is not None else f"{'-':>4}{'':<3}"
 
 
 def plot(report: dict, out: Path) -> list[Path]:
@@ -333,9 +358,16 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency-prompts", type=int, default=16)
     p.add_argument("--concurrency-repeats", type=int, default=3,
                    help="runs per level and mode, modes interleaved; tok/s is the median (runs differ by ~5%%)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: every mode samples (with --top-p, --top-k; prompt i seeded with i) instead of greedy "
+                        "decoding; the modes' outputs then differ, each drawn from the same distribution")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     args = p.parse_args(argv)
     try:
+        sampling = SamplingConfig(args.temperature, args.top_p, args.top_k).validate()
+        sampling = None if sampling.greedy else sampling
         shapes = [parse_tree(t) for t in (args.tree_candidates if args.tree == "auto" else args.tree).split(";")]
         trims = {"on": [True], "off": [False], "both": [True, False]}[args.node_trim]
         candidates = [(shape, trim) for shape in shapes for trim in trims]
@@ -358,6 +390,9 @@ def main(argv=None) -> int:
             raise ConfigError(f"--concurrency-repeats {args.concurrency_repeats}: must be >= 1")
         if not names and not levels:
             raise ConfigError("nothing to measure: give --workloads or --concurrency")
+        if sampling is not None and levels:
+            raise ConfigError(f"--concurrency measures greedy decoding (its rows compare outputs with one stream's): "
+                              f"drop --temperature {args.temperature} or run it without --concurrency")
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
                    for w in names}
         sweep = build(models.tokenizer, "mtbench", args.prompts + args.sweep_prompts)[args.prompts:]
@@ -393,8 +428,8 @@ def main(argv=None) -> int:
         torch_decoder.generate(warm, 8)
     if hf is not None:
         hf.generate(warm, 8, eos)
-    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder, args.repeats)
-               for w in names]
+    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder, args.repeats,
+                            sampling) for w in names]
     concurrent = []
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
@@ -411,14 +446,14 @@ def main(argv=None) -> int:
               "transformers_device": f"{device.type} {dtype}",
               "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
-              "max_new_tokens": args.max_new_tokens,
+              "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
     print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
           f"{', one call an iteration' if ort.iteration is not None else ''}), tree {tuple(report['tree'])}"
           f"{', nodes trimmed' if trim else ''}, "
           f"{args.max_new_tokens} new tokens, "
-          f"temperature 0, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
+          f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:
         print(format_table(results))
     if concurrent:

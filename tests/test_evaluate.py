@@ -194,6 +194,32 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert "--concurrency-repeats 0: must be >= 1" in capsys.readouterr().err
 
 
+def test_bench_cli_samples_every_mode(smollm2, smollm2_onnx_dir, tmp_path, capsys):
+    """--temperature: transformers, autoregressive and speculative all sample (seeded per prompt);
+    the outputs are not compared, the sampling settings are recorded, and --concurrency (whose
+    rows compare outputs) is refused with them."""
+    from eagle_trt import bench
+    from eagle_trt.checkpoints import random_drafter, save_drafter
+    path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
+    common = ["--drafter", str(path), "--threads", "1", "--tree", "2,2,3",
+              "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx"))]
+    rc = bench.main(common + ["--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "8",
+                              "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": None}
+    (row,) = report["results"]
+    assert row["identical_outputs"] is None and row["mean_accept_length"] >= 1
+    assert all(0 < row["modes"][m]["tokens"] <= 16 for m in bench.MODES)
+    out = capsys.readouterr().out
+    assert "sampled: temperature 0.8, top-p 0.9, top-k 40" in out
+    assert bench.main(common + ["--workloads", "", "--concurrency", "2", "--temperature", "0.8",
+                                "--out", str(tmp_path / "c")]) == 2
+    assert "--concurrency measures greedy decoding" in capsys.readouterr().err
+    assert bench.main(common + ["--temperature", "-1", "--out", str(tmp_path / "c")]) == 2
+    assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_decoding_threads_hold_inside_every_timed_loop_and_restore_after():
     """The one thread setting every timing entry point (demo, bench, bench --concurrency) decodes
     under, whatever the process had set before (runtime/timing.py)."""

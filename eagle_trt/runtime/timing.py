@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import TreeShape
+from ..config import SamplingConfig, TreeShape
 from .cost import NodeTrim
 from .decoder import GenerationResult, SpeculativeDecoder, generate_autoregressive
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
@@ -139,21 +139,23 @@ class OrtDecoding:
             self.decoder.generate(ids, tokens)
             generate_autoregressive(self.plain, ids, tokens, self.eos)
 
-    def speculative(self, ids: list[int], max_new_tokens: int):
+    def speculative(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None):
         with decoding_threads():
-            return self.decoder.generate(ids, max_new_tokens)
+            return self.decoder.generate(ids, max_new_tokens, sampling)
 
-    def autoregressive(self, ids: list[int], max_new_tokens: int):
+    def autoregressive(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None):
         with decoding_threads():
-            return generate_autoregressive(self.plain, ids, max_new_tokens, self.eos)
+            return generate_autoregressive(self.plain, ids, max_new_tokens, self.eos, sampling)
 
-    def compare(self, ids: list[int], max_new_tokens: int, repeats: int = 2) -> Compared:
-        """Both modes `repeats` times, alternating which goes first; each mode's fastest run."""
+    def compare(self, ids: list[int], max_new_tokens: int, repeats: int = 2,
+                sampling: SamplingConfig | None = None) -> Compared:
+        """Both modes `repeats` times, alternating which goes first; each mode's fastest run
+        (sampled: every run of a mode draws with the same seed, so the runs decode the same tokens)."""
         best: dict[str, tuple] = {}
         for r in range(repeats):
             for mode in (("autoregressive", "speculative") if r % 2 == 0 else ("speculative", "autoregressive")):
                 before = {role: s.graph_seconds for role, s in self.sessions.items()}
-                run = getattr(self, mode)(ids, max_new_tokens)
+                run = getattr(self, mode)(ids, max_new_tokens, sampling)
                 split = {role: s.graph_seconds - before[role] for role, s in self.sessions.items()}
                 if mode not in best or run.seconds < best[mode][0].seconds:
                     best[mode] = (run, split)
