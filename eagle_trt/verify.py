@@ -31,6 +31,13 @@ def target_probs(logits: Tensor, sampling: SamplingConfig, on_device: bool = Fal
     the largest probabilities (torch.topk), not from a sort of the whole vocabulary: a nucleus
     holds tens of tokens, and sorting SmolLM2's 49,152 logits took 4.4 ms a row here against
     ~0.2 ms. Sampled acceptance calls this once per tree node it visits."""
+    return target_distribution(logits, sampling, on_device)[0]
+
+
+def target_distribution(logits: Tensor, sampling: SamplingConfig,
+                        on_device: bool = False) -> tuple[Tensor, Tensor | None]:
+    """target_probs, and with top-p the tokens that can have mass (most probable first, on the
+    CPU; None without top-p): what sampling from the cut distribution needs to look at."""
     logits = (logits.float() if on_device else logits.float().cpu()) / sampling.temperature
     V = logits.shape[-1]
     if sampling.top_k and sampling.top_k < V:
@@ -38,7 +45,7 @@ def target_probs(logits: Tensor, sampling: SamplingConfig, on_device: bool = Fal
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p >= 1.0:
-        return probs.cpu()
+        return probs.cpu(), None
     n = min(NUCLEUS_FIRST, V)
     while True:     # the cut lies among the n most probable tokens once their mass reaches top_p
         head, index = torch.topk(probs, n, dim=-1) if n < V else torch.sort(probs, dim=-1, descending=True)
@@ -47,7 +54,7 @@ def target_probs(logits: Tensor, sampling: SamplingConfig, on_device: bool = Fal
             break
         n = V if 8 * n >= V // 4 else 8 * n     # a flat distribution: cut from the sorted whole
     head = head.masked_fill(mass - head >= sampling.top_p, 0.0)   # kept while the mass before is short
-    return torch.zeros_like(probs).scatter_(-1, index, head / head.sum(-1, keepdim=True)).cpu()
+    return torch.zeros_like(probs).scatter_(-1, index, head / head.sum(-1, keepdim=True)).cpu(), index.cpu()
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:
@@ -114,35 +121,40 @@ def accept_sampled(tree: DraftTree, logits: Tensor, sampling: SamplingConfig,
     children = children_lists(tree.parents.tolist())
     path, node = [0], 0
     while True:
-        p = target_probs(logits[node], sampling)
-        accepted = None
+        p, support = target_distribution(logits[node], sampling)
+        accepted, mass = None, 1.0          # p's mass left once rejected drafts are set to 0
         for child in children[node]:
             x = tokens[child]
-            if torch.rand((), generator=generator).item() < p[x].item():
+            px = float(p[x])
+            if float(torch.rand((), generator=generator)) * mass < px:   # x with probability p(x) / mass
                 accepted = child
                 break
             p[x] = 0.0
-            total = p.sum()
-            if total <= 0:       # every token with mass was drafted and rejected: cannot happen
-                break            # for p(x) < 1, kept as a guard against rounding
-            p = p / total
+            mass = float((p if support is None else p[support]).sum(dtype=torch.float64))
+            if mass <= 0:       # every token with mass was drafted and rejected: cannot happen
+                break           # (the last one is always accepted), kept as a guard against rounding
         if accepted is None:
-            return path, draw(p, generator)
+            return path, draw(p, generator, support)
         path.append(accepted)
         node = accepted
 
 
-def draw(p: Tensor, generator: torch.Generator | None) -> int:
-    """One index drawn with probabilities p (a CPU vector, not necessarily normalised): the
-    inverse CDF of one uniform from the generator (an entry of probability 0 has an empty
-    interval: never drawn). torch.multinomial takes 1 ms here for SmolLM2's 49,152 entries."""
-    cdf = torch.cumsum(p, 0, dtype=torch.float64)
+def draw(p: Tensor, generator: torch.Generator | None, support: Tensor | None = None) -> int:
+    """One index drawn with probabilities p (a CPU vector, not necessarily normalised; support:
+    the only indices that can have mass, as target_distribution gives them): the inverse CDF of
+    one uniform from the generator, where an entry of probability 0 has an empty interval.
+    torch.multinomial takes 1 ms here for SmolLM2's 49,152 entries; a nucleus's support, ~10 us."""
+    weights = p if support is None else p[support]
+    cdf = torch.cumsum(weights, 0, dtype=torch.float64)
     u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))
-    return i if i < len(cdf) else int(p.nonzero()[-1])    # u rounded up to the total: the last token drawable
+    if i == len(cdf):                    # u rounded up to the total: the last entry with mass
+        i = int(weights.nonzero()[-1])
+    return i if support is None else int(support[i])
 
 
 def sample_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     if sampling.greedy:
         return int(logits.argmax(-1).item())
-    return draw(target_probs(logits, sampling), generator)
+    p, support = target_distribution(logits, sampling)
+    return draw(p, generator, support)

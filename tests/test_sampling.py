@@ -22,7 +22,7 @@ from eagle_trt.config import CaptureLayers, SamplingConfig, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
-from eagle_trt.verify import NUCLEUS_FIRST, children_lists, draw, target_probs
+from eagle_trt.verify import NUCLEUS_FIRST, children_lists, draw, target_distribution, target_probs
 
 VOCAB = 12
 PROMPT = [1, 5, 7, 3]
@@ -462,6 +462,9 @@ def test_target_probs_top_p_large_vocabulary(scale):
         expected = torch.where(kept, base[row], 0.0)
         torch.testing.assert_close(p[row].double(), expected / expected.sum(), atol=1e-6, rtol=1e-4)
         sizes.append(m)
+    probs, support = target_distribution(x, SamplingConfig(temperature=1.0, top_p=top_p))
+    assert torch.equal(probs, p) and all(set((p[r] > 0).nonzero().flatten().tolist()) <= set(support[r].tolist())
+                                         for r in range(x.shape[0]))
     if scale == 8.0:
         assert max(sizes) < NUCLEUS_FIRST      # found in the first look
     if scale == 0.3:
@@ -482,6 +485,13 @@ def test_draw_follows_the_probabilities_and_never_draws_a_zero():
     counts = torch.zeros(len(probs), dtype=torch.int64)
     for _ in range(4000):
         counts[draw(probs * 3.0, gen)] += 1        # unnormalised weights: the same distribution
+    assert chi_square_p(counts, probs) > 1e-3
+    # given the support (target_distribution's, most probable first): only those entries are
+    # looked at, in that order, with the same distribution; an index with no mass there is never drawn
+    support = torch.tensor([1, 3, 4, 5, 6, 7, 0])
+    counts = torch.zeros(len(probs), dtype=torch.int64)
+    for _ in range(4000):
+        counts[draw(probs, gen, support)] += 1
     assert chi_square_p(counts, probs) > 1e-3
     # the check can fail: draws from other probabilities are rejected
     skewed = torch.zeros(len(probs), dtype=torch.int64)

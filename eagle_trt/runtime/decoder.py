@@ -17,6 +17,7 @@ drafter call pads to a few rows, and a batch that never drafts does no drafter w
 `generate` is this loop with one sequence."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -102,12 +103,13 @@ def _pad_rows(parts: list, T: int):
     return out
 
 
-def _empty_tree(device) -> DraftTree:
-    """The root alone: verifying it is one step of plain decoding."""
-    z = torch.zeros(0, dtype=torch.int64, device=device)
-    return DraftTree(z, torch.full((1,), -1, dtype=torch.int64, device=device),
-                     torch.ones(1, 1, dtype=torch.bool, device=device), torch.zeros(1, dtype=torch.int64, device=device),
-                     z.float())
+@functools.cache
+def _empty_tree() -> DraftTree:
+    """The root alone (verifying it is one step of plain decoding), on the CPU where sampled
+    acceptance reads it; made once: nothing writes it."""
+    z = torch.zeros(0, dtype=torch.int64)
+    return DraftTree(z, torch.full((1,), -1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.bool),
+                     torch.zeros(1, dtype=torch.int64), z.float())
 
 
 def _host_rows(path, length, tokens, ranks: Tensor | None) -> list[list[int]]:
@@ -331,7 +333,7 @@ class SpeculativeDecoder:
         self.verified.append(n)
 
         def tree(i: int) -> DraftTree:
-            return verified.row(i) if verified is not None else _empty_tree("cpu")
+            return verified.row(i) if verified is not None else _empty_tree()
         logits, captured, ids, mask = done or self._timed(lambda: self.target.verify(roots, verified),
                                                           lambda s: self._time_target(B * (1 + n), s))
         paths, news = [], []
