@@ -194,6 +194,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert "--concurrency-repeats 0: must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_cli_samples_every_mode(smollm2, smollm2_onnx_dir, tmp_path, capsys):
     """--temperature: transformers, autoregressive and speculative all sample (seeded per prompt);
     the outputs are not compared, the sampling settings are recorded, and --concurrency (whose
