@@ -136,7 +136,8 @@ def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path
 def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_onnx_dir, tmp_path, capsys):
     """transformers generate, autoregressive and speculative decoding on the exported graphs:
     identical greedy tokens, a time split that adds up, a cost breakdown whose break-even
-    acceptance is the iteration cost in autoregressive steps, and the --tree auto sweep."""
+    acceptance is the iteration cost in autoregressive steps, and the --tree auto sweep; then
+    all three sampled (--temperature)."""
     from eagle_trt import bench, concurrency
     from eagle_trt.checkpoints import random_drafter, save_drafter
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
@@ -192,32 +193,22 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert bench.main(["--drafter", str(path), "--workloads", "", "--concurrency", "1", "--concurrency-repeats", "0",
                        "--out", str(tmp_path / "d")]) == 2
     assert "--concurrency-repeats 0: must be >= 1" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_bench_cli_samples_every_mode(smollm2, smollm2_onnx_dir, tmp_path, capsys):
-    """--temperature: transformers, autoregressive and speculative all sample (seeded per prompt);
-    the outputs are not compared, the sampling settings are recorded, and --concurrency (whose
-    rows compare outputs) is refused with them."""
-    from eagle_trt import bench
-    from eagle_trt.checkpoints import random_drafter, save_drafter
-    path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
-    common = ["--drafter", str(path), "--threads", "1", "--tree", "2,2,3",
-              "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx"))]
-    rc = bench.main(common + ["--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "8",
-                              "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--out", str(tmp_path / "out")])
-    assert rc == 0
-    report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": None}
-    (row,) = report["results"]
+    # --temperature: every mode samples (prompt i seeded with i) on the graphs exported above; the
+    # outputs are not compared and the settings are recorded; --concurrency (whose rows compare
+    # outputs) refuses it
+    common = ["--drafter", str(path), "--threads", "1", "--tree", ",".join(map(str, report["tree"])),
+              "--onnx-dir", str(tmp_path / "onnx"), "--temperature", "0.8"]
+    assert bench.main(common + ["--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6", "--top-p", "0.9",
+                                "--top-k", "40", "--out", str(tmp_path / "sampled")]) == 0
+    sampled = json.loads((tmp_path / "sampled" / "bench.json").read_text())
+    assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": None}
+    (row,) = sampled["results"]
     assert row["identical_outputs"] is None and row["mean_accept_length"] >= 1
-    assert all(0 < row["modes"][m]["tokens"] <= 16 for m in bench.MODES)
-    out = capsys.readouterr().out
-    assert "sampled: temperature 0.8, top-p 0.9, top-k 40" in out
-    assert bench.main(common + ["--workloads", "", "--concurrency", "2", "--temperature", "0.8",
-                                "--out", str(tmp_path / "c")]) == 2
+    assert all(0 < row["modes"][m]["tokens"] <= 12 for m in bench.MODES)
+    assert "sampled: temperature 0.8, top-p 0.9, top-k 40" in capsys.readouterr().out
+    assert bench.main(common + ["--workloads", "", "--concurrency", "2", "--out", str(tmp_path / "e")]) == 2
     assert "--concurrency measures greedy decoding" in capsys.readouterr().err
-    assert bench.main(common + ["--temperature", "-1", "--out", str(tmp_path / "c")]) == 2
+    assert bench.main(common[:-1] + ["-1", "--out", str(tmp_path / "e")]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
 
 
@@ -248,8 +239,11 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
     ort = OrtDecoding(target, drafter, None, None, set())
     order, seconds = [], {"autoregressive": [3.0, 2.0, 2.5], "speculative": [1.0, 1.5, 0.8]}
 
+    sampling = SimpleNamespace(temperature=0.7)     # handed to every run as it is
+
     def run(mode):
-        def decode(ids, max_new_tokens):
+        def decode(ids, max_new_tokens, how):
+            assert how is sampling
             order.append(mode)
             s = seconds[mode][sum(m == mode for m in order) - 1]
             target.graph_seconds += s / 2
@@ -257,7 +251,7 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
             return GenerationResult(tokens=[1, 2], seconds=s)
         return decode
     ort.speculative, ort.autoregressive = run("speculative"), run("autoregressive")
-    spec, ar, graph_s = ort.compare([5], 2, repeats=3)
+    spec, ar, graph_s = ort.compare([5], 2, repeats=3, sampling=sampling)
     assert order == ["autoregressive", "speculative", "speculative", "autoregressive", "autoregressive", "speculative"]
     assert (spec.seconds, ar.seconds) == (0.8, 2.0)
     assert graph_s == pytest.approx({"target_graph": 0.4, "drafter_graph": 0.2})
