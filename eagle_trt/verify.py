@@ -36,8 +36,9 @@ def target_probs(logits: Tensor, sampling: SamplingConfig, on_device: bool = Fal
 
 def target_distribution(logits: Tensor, sampling: SamplingConfig,
                         on_device: bool = False) -> tuple[Tensor, Tensor | None]:
-    """target_probs, and with top-p the tokens that can have mass (most probable first, on the
-    CPU; None without top-p): what sampling from the cut distribution needs to look at."""
+    """target_probs, and with top-p the tokens that can have mass (most probable first; None
+    without top-p): what sampling from the cut distribution needs to look at. The probabilities
+    are on the CPU, the tokens where the selection ran (the CPU unless on_device)."""
     logits = (logits.float() if on_device else logits.float().cpu()) / sampling.temperature
     V = logits.shape[-1]
     if sampling.top_k and sampling.top_k < V:
@@ -54,7 +55,7 @@ def target_distribution(logits: Tensor, sampling: SamplingConfig,
             break
         n = V if 8 * n >= V // 4 else 8 * n     # a flat distribution: cut from the sorted whole
     head = head.masked_fill(mass - head >= sampling.top_p, 0.0)   # kept while the mass before is short
-    return torch.zeros_like(probs).scatter_(-1, index, head / head.sum(-1, keepdim=True)).cpu(), index.cpu()
+    return torch.zeros_like(probs).scatter_(-1, index, head / head.sum(-1, keepdim=True)).cpu(), index
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:
