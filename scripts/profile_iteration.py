@@ -51,9 +51,8 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
             batched.generate_batch([Request(ids, max_new_tokens, how) for ids, how in zip(prompts, settings)], streams)
         iterations = len(batched.verified)
     else:
-        with decoding_threads():
-            for ids, how in zip(prompts, settings):
-                iterations += ort.decoder.generate(ids, max_new_tokens, how).drafter_calls
+        for ids, how in zip(prompts, settings):
+            iterations += ort.speculative(ids, max_new_tokens, how).drafter_calls
     wall = time.perf_counter() - start
     return wall, graph_seconds(*ort.sessions.values()) - graph0, iterations
 
