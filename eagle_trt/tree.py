@@ -95,23 +95,27 @@ class DraftTree:
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k along the last axis with ties to the lower index.
+    """Top-k along the last axis of float32 scores, sorted, with ties to the lower index.
 
     Traced for export it is one ONNX TopK, whose spec puts the lower index first on ties (and
     which TensorRT runs for k <= 3840, unlike a full sort over the draft vocabulary). Eagerly,
-    torch.topk's tie order is unspecified, so the boundary value's candidates are re-ranked
-    stably; quantized drafters produce exact ties often enough for this to matter to parity."""
+    torch.topk's tie order is unspecified (quantized drafters produce exact ties often enough for
+    this to matter to parity), so the top-k runs over int64 keys that order the scores and then
+    the indices: one fixed-shape op on any device, which a CUDA graph or torch.compile captures."""
     if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
         return torch.topk(x, k, dim=-1, largest=True, sorted=True)
-    kth = torch.topk(x, k, dim=-1).values[..., -1:]
-    rows = x.reshape(-1, x.shape[-1])
-    picked = []
-    for row, bound in zip(rows, kth.reshape(-1)):
-        candidates = torch.nonzero(row >= bound).flatten()          # increasing index
-        order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
-        picked.append(candidates[order])
-    indices = torch.stack(picked).reshape(*x.shape[:-1], k)
+    indices = torch.topk(order_keys(x), k, dim=-1).indices
     return x.gather(x.dim() - 1, indices), indices
+
+
+def order_keys(x: Tensor) -> Tensor:
+    """int64 keys of float32 x [..., n] in the order of (x descending, index ascending): the
+    float's bits as an int32 that orders like the float (negative floats' magnitude bits
+    flipped), times 2^32, plus (2^32 - 1 - index)."""
+    bits = (x.float() + 0.0).view(torch.int32)      # + 0.0: -0.0 becomes +0.0, equal as floats
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    index = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - index)
 
 
 def rank_desc(x: Tensor) -> Tensor:

@@ -93,6 +93,24 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.reshape(B * T, W).index_select(0, index.reshape(-1)).view(B, -1, W)
 
 
+def verification_inputs(roots: Tensor, lengths: Tensor, tree: DraftTree | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A verification call's input ids [B, T], positions [B, T] and tree mask [B, T, T] (T = 1 +
+    nodes): each sequence's root (roots [B], the last token it committed) and its tree's nodes,
+    at the positions after its committed rows (lengths [B]); tree None: the roots alone, a step
+    of plain decoding. Every backend builds them here, where the trees are (fixed shapes)."""
+    if tree is None:
+        ones = torch.ones(roots.shape[0], 1, 1, dtype=torch.bool, device=roots.device)
+        return roots[:, None], lengths[:, None], ones
+    return torch.cat((roots[:, None], tree.tokens), 1), lengths[:, None] + tree.depths, tree.mask
+
+
+def attention_mask(past: Tensor, mask: Tensor) -> Tensor:
+    """[B, T, P + T]: the committed rows each sequence sees (past [B, P], True up to its length),
+    then the new rows' own mask [B, T, T] (causal, a tree, or identity for padding)."""
+    B, T = mask.shape[0], mask.shape[1]
+    return torch.cat((past[:, None].expand(B, T, past.shape[1]), mask.to(torch.bool)), dim=2)
+
+
 @functools.lru_cache(maxsize=256)
 def logits_rows(T: int, last_only: bool) -> Tensor:
     """The rows of a T-row call that get logits: the last one (prefill) or all (made once per
@@ -139,8 +157,7 @@ class TargetBackend(_Batched):
     def _forward(self, input_ids, positions, mask, slots, index):
         T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)
         slots, lengths, width = self._stage(slots, T)
-        past = _row_numbers(width, dev) < torch.tensor(lengths, device=dev)[:, None]        # [b, width]
-        full = torch.cat((past[:, None].expand(len(slots), T, width), mask.to(torch.bool)), dim=2)
+        full = attention_mask(_row_numbers(width, dev) < torch.tensor(lengths, device=dev)[:, None], mask)
         logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
         self.cache.write(new_k, new_v)          # held until commit copies the accepted rows
         return logits, captured
@@ -162,12 +179,8 @@ class TargetBackend(_Batched):
         and the call's input ids [b, T] and tree mask [b, T, T] (acceptance reads them), T = 1 +
         nodes. Built where the trees are, so a GPU loop copies only the roots and lengths."""
         dev = tree.tokens.device if tree is not None else torch.device("cpu")
-        lengths = torch.tensor(self.lengths, device=dev)
-        roots_t = torch.tensor(roots, device=dev)[:, None]
-        if tree is not None:
-            ids, positions, mask = torch.cat((roots_t, tree.tokens), 1), lengths[:, None] + tree.depths, tree.mask
-        else:                             # plain decoding: each root alone
-            ids, positions, mask = roots_t, lengths[:, None], torch.ones(len(roots), 1, 1, dtype=torch.bool, device=dev)
+        ids, positions, mask = verification_inputs(torch.tensor(roots, device=dev),
+                                                   torch.tensor(self.lengths, device=dev), tree)
         logits, captured = self.forward(ids, positions, mask)
         return logits, captured, ids, mask
 

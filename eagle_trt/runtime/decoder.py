@@ -54,14 +54,15 @@ class GenerationResult:
         return dict(asdict(self), mean_accept_length=self.mean_accept_length)
 
 
-def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, vocab_size: int | None = None) -> None:
+def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, vocab_size: int | None = None,
+                  context: str = "the target's context", source: str = "max_position_embeddings") -> None:
     if len(prompt_ids) == 0:
         raise ConfigError("the prompt is empty: nothing to condition on")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if len(prompt_ids) + max_new_tokens > max_context:
-        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                          f"target's context of {max_context} tokens (max_position_embeddings)")
+        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                          f"{context} of {max_context} tokens ({source})")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
         bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
         raise ConfigError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
@@ -104,7 +105,7 @@ def _pad_rows(parts: list, T: int):
 
 
 @functools.cache
-def _empty_tree() -> DraftTree:
+def root_only_tree() -> DraftTree:
     """The root alone (verifying it is one step of plain decoding), on the CPU where sampled
     acceptance reads it; made once: nothing writes it."""
     z = torch.zeros(0, dtype=torch.int64)
@@ -151,7 +152,52 @@ class Sequence:
             r.stop_reason, r.seconds = self.stop, now
 
 
-class SpeculativeDecoder:
+class DecodingLoop:
+    """What every decoding loop shares: requests join (`add`), every running sequence advances
+    one iteration per `step`, and the offline entry points below drive the two. `active[i]` is
+    the sequence in slot i of the loop's caches."""
+
+    def __init__(self, eos_ids: set[int] | list[int], vocab_size: int | None = None):
+        self.eos_ids = set(eos_ids)
+        self.vocab_size = vocab_size
+        self.active: list[Sequence] = []
+
+    def add(self, request: Request) -> Sequence:
+        raise NotImplementedError
+
+    def step(self) -> list[Sequence]:
+        raise NotImplementedError
+
+    def _leave(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Drop a sequence between steps (its client went away)."""
+        if seq in self.active:
+            seq.stop = seq.result.stop_reason = reason
+            seq.result.seconds = time.perf_counter() - seq.start
+            self._leave(self.active.index(seq))
+
+    def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
+        """Decode every request, at most max_batch at a time: a request joins as soon as a running
+        one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
+        waiting, seqs = list(requests), []
+        now = time.perf_counter()
+        for r in waiting:
+            r.submitted = r.submitted or now
+        while waiting or self.active:
+            while waiting and len(self.active) < max_batch:
+                seqs.append(self.add(waiting.pop(0)))
+            self.step()
+        return [s.result for s in seqs]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+        """One sequence: on_tokens(ids) streams the tokens as they become final; returning False stops early."""
+        return self.generate_batch([Request(prompt_ids, max_new_tokens, sampling or SamplingConfig(), on_tokens)], 1)[0]
+
+
+class SpeculativeDecoder(DecodingLoop):
     """drafter=None: plain autoregressive decoding through the same loop.
     cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
     verifies every node of every tree.
@@ -174,13 +220,11 @@ class SpeculativeDecoder:
         if iteration is not None and (iteration.target is not target or iteration.drafter is not drafter):
             raise ConfigError("the iteration graph's backends must be the decoder's target and drafter (they share "
                               "the KV caches)")
+        super().__init__(eos_ids, vocab_size)
         self.iteration = iteration
         self.target, self.drafter = target, drafter
-        self.eos_ids = set(eos_ids)
-        self.vocab_size = vocab_size
         self.cost_model = cost_model
         self.trim = trim if drafter is not None else None
-        self.active: list[Sequence] = []     # active[i] lives in slot i of both backends' caches
         self.verified: list[int] = []         # draft nodes verified per sequence, per iteration
         self.kept: list | None = None         # the last step's keep_states (an iteration graph's hand-off)
 
@@ -333,7 +377,7 @@ class SpeculativeDecoder:
         self.verified.append(n)
 
         def tree(i: int) -> DraftTree:
-            return verified.row(i) if verified is not None else _empty_tree()
+            return verified.row(i) if verified is not None else root_only_tree()
         logits, captured, ids, mask = done or self._timed(lambda: self.target.verify(roots, verified),
                                                           lambda s: self._time_target(B * (1 + n), s))
         paths, news = [], []
@@ -386,31 +430,6 @@ class SpeculativeDecoder:
         for s in finished:   # free slots at once; the last sequence moves into the freed slot
             self._leave(self.active.index(s))
         return finished
-
-    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
-        """Drop a sequence between steps (its client went away)."""
-        if seq in self.active:
-            seq.stop = seq.result.stop_reason = reason
-            seq.result.seconds = time.perf_counter() - seq.start
-            self._leave(self.active.index(seq))
-
-    def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
-        """Decode every request, at most max_batch at a time: a request joins as soon as a running
-        one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
-        waiting, seqs = list(requests), []
-        now = time.perf_counter()
-        for r in waiting:
-            r.submitted = r.submitted or now
-        while waiting or self.active:
-            while waiting and len(self.active) < max_batch:
-                seqs.append(self.add(waiting.pop(0)))
-            self.step()
-        return [s.result for s in seqs]
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
-        """One sequence: on_tokens(ids) streams the tokens as they become final; returning False stops early."""
-        return self.generate_batch([Request(prompt_ids, max_new_tokens, sampling or SamplingConfig(), on_tokens)], 1)[0]
 
 
 def generate_autoregressive(target: TargetBackend, prompt_ids: list[int], max_new_tokens: int,

@@ -50,8 +50,12 @@ def zeroed(numel: int, dtype: torch.dtype, device=None) -> Tensor:
 
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = CHUNK,
-                 dtype: torch.dtype = torch.float32, device=None, batch: int = 1):
+                 dtype: torch.dtype = torch.float32, device=None, batch: int = 1, fixed: bool = False):
+        """fixed: laid out once at `batch` slots of `capacity` rows and never again (no growth, no
+        shrinking), so every address stays put: what a captured CUDA graph reads and writes
+        (runtime/static.py). A sequence that does not fit is an error."""
         self.layout = (num_layers, kv_heads, head_dim)
+        self.fixed = fixed
         self.dtype, self.device = dtype, device
         self.kv = self.k = self.v = self.kv_np = None   # kv [2, L, B, Hkv, S, D]; k, v = kv[0], kv[1]
         self.storages: list[Tensor | None] = [None, None]   # flat storages the layouts are views of, in turn
@@ -136,7 +140,8 @@ class KVCache:
         while they are big enough)."""
         self.lengths = []
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
-        self._allocate(self.k.shape[1], max(capacity, 1))
+        if not self.fixed:
+            self._allocate(self.k.shape[1], max(capacity, 1))
 
     @property
     def batch(self) -> int:
@@ -145,6 +150,8 @@ class KVCache:
     def add(self, rows: int = 0) -> int:
         """A new empty sequence in the next slot, with room for `rows` rows; returns its slot."""
         if self.batch == self.k.shape[1]:     # slots double: a ramp-up of B sequences re-lays out log2(B) times
+            if self.fixed:
+                raise ValueError(f"all {self.batch} slots of this fixed-layout cache are taken")
             self._allocate(2 * self.batch, self.capacity)
         self.lengths.append(0)
         self.reserve(range(self.batch - 1, self.batch), rows)
@@ -159,12 +166,14 @@ class KVCache:
             self.lengths[slot] = n
         self.lengths.pop()
         keep = -(-(max(self.lengths, default=0) + 1) // CHUNK) * CHUNK
-        if self.capacity > keep + 2 * CHUNK:   # a long sequence left: stop binding its rows for the others
+        if self.capacity > keep + 2 * CHUNK and not self.fixed:   # a long sequence left: stop binding its rows for the others
             self._allocate(self.k.shape[1], keep)
 
     def reserve(self, slots: range, rows: int) -> None:
         """Make room for `rows` more rows after each sequence's committed ones."""
         need = max((self.lengths[b] for b in slots), default=0) + rows
+        if need > self.capacity and self.fixed:
+            raise ValueError(f"{need} rows do not fit this fixed-layout cache's {self.capacity} rows a slot")
         if need > self.capacity:
             self._allocate(self.k.shape[1], -(-need // CHUNK) * CHUNK)
 

@@ -1,0 +1,135 @@
+"""The fixed-shape, device-resident iteration (runtime/static.py), on the CPU where it runs
+without capture: token for token what the target's own greedy decoding gives, alone and
+continuously batched, speculative and plain; the same trees and acceptance as the dynamic loop
+(SpeculativeDecoder) with the same drafter; and torch.compile(fullgraph=True) captures the
+whole iteration as one graph that no later iteration recompiles, which is what a CUDA graph's
+capture of it on a GPU needs (no host sync, no shape that depends on values)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import oracle_drafter, write_tiny_hf_target
+from eagle_trt.checkpoints import load_target, random_drafter
+from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
+from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.static import StaticDecoder
+
+SHAPES = [TreeShape(depth=4, top_k=3, total_tokens=10), TreeShape.chain(3), TreeShape(depth=5, top_k=2, total_tokens=4)]
+LIMITS = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A small-vocabulary target (its oracle drafter's drafts are accepted several deep), an
+    oracle EAGLE 3.1 and a random EAGLE-3 drafter, prompts and their greedy continuations."""
+    target = load_target(write_tiny_hf_target(tmp_path_factory.mktemp("static"), vocab=16, hidden=32, layers=4,
+                                              heads=4, kv_heads=2, seed=3))
+    drafters = {"oracle": oracle_drafter(target, "eagle3.1", noise=0.02, seed=1),
+                "random": random_drafter(target, "eagle3", seed=4, draft_vocab_size=8, std=0.3)}
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (5, 31, 12, 1, 47, 9, 20, 3, 16, 26)]
+    references = [generate_autoregressive(TorchTarget(target.model), p, n, []).tokens for p, n in zip(prompts, LIMITS)]
+    return target, drafters, prompts, references
+
+
+def _static(target, drafter, shape, eos=(), **kw) -> StaticDecoder:
+    if drafter is not None:
+        target.model.set_capture(drafter.cfg.capture_for(target.config))
+    return StaticDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape) if drafter is not None else None,
+                         eos, target.config.vocab_size, capacity=kw.pop("capacity", 160), **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s.depth}k{s.top_k}N{s.total_tokens}")
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_static_iteration_equals_greedy_and_the_dynamic_loop(setup, kind, shape):
+    """Each prompt alone: the target's greedy tokens, and the dynamic loop's accept lengths (the
+    same trees verified the same way); the oracle drafter's drafts are accepted several deep."""
+    target, drafters, prompts, references = setup
+    drafter = drafters[kind]
+    static = _static(target, drafter, shape)
+    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), [], target.config.vocab_size)
+    accepted = []
+    for p, n, ref in zip(prompts, LIMITS, references):
+        got = static.generate(p, n)
+        assert got.tokens == ref
+        assert got.accept_lengths == dynamic.generate(p, n).accept_lengths
+        assert got.target_calls == 1 + got.drafter_calls == 1 + len(got.accept_lengths)
+        accepted += got.accept_lengths
+    if kind == "oracle":
+        assert max(accepted) >= min(3, shape.depth + 1), "drafts were not accepted deep: vacuous"
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+def test_static_batches_join_leave_and_equal_their_solo_runs(setup, speculative):
+    """Continuous batching at 1, 3 and 8 slots: mixed prompt lengths and limits, sequences that
+    stop at an EOS, joins into freed slots (the last slot moves into a freed one)."""
+    target, drafters, prompts, references = setup
+    eos = {references[1][10]}
+    solo = []
+    for ref, n in zip(references, LIMITS):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+        solo.append(ref[:cut])
+    assert any(len(s) < n for s, n in zip(solo, LIMITS)), "no sequence hit EOS: vacuous"
+    for batch in (1, 3, 8):
+        dec = _static(target, drafters["oracle"] if speculative else None, SHAPES[0], eos, max_batch=batch)
+        results = dec.generate_batch([Request(p, n) for p, n in zip(prompts, LIMITS)], max_batch=batch)
+        assert [r.tokens for r in results] == solo, f"batch {batch} differs from greedy decoding"
+        assert not dec.active and dec.tkv.batch == 0 and dec.tkv.capacity == 160   # every slot freed, never re-laid out
+
+
+def test_static_iteration_compiles_to_one_graph_without_recompiling(setup):
+    """torch.compile(fullgraph=True) of the whole iteration: one graph per batch size (a graph
+    break raises under fullgraph), none compiled again over later iterations, same tokens."""
+    import torch._dynamo
+    target, drafters, prompts, references = setup
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    dec = _static(target, drafters["oracle"], SHAPES[0], compile=True, compile_backend=counting)
+    for p, n, ref in list(zip(prompts, LIMITS, references))[:3]:
+        res = dec.generate(p, n)
+        assert res.tokens == ref
+        assert len(res.accept_lengths) > 5
+    assert len(graphs) == 1, f"{len(graphs)} graphs for one batch size: the iteration recompiled"
+    nodes = sum(1 for n in graphs[0].graph.nodes if n.op == "call_function")
+    assert nodes > 200, f"the graph holds {nodes} ops: not the whole iteration"
+
+
+def test_static_decoder_refuses_what_it_cannot_hold(setup):
+    target, drafters, prompts, _ = setup
+    dec = _static(target, drafters["oracle"], SHAPES[0], max_batch=2)
+    with pytest.raises(ConfigError, match="static cache's context"):
+        dec.generate(prompts[4], 150)
+    with pytest.raises(ConfigError, match="capacity 12 leaves no room"):
+        _static(target, drafters["oracle"], SHAPES[0], capacity=12)
+    with pytest.raises(ConfigError, match="capture='sometimes'"):
+        _static(target, None, SHAPES[0], capture="sometimes")
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        _static(target, None, SHAPES[0], capture="cuda-graph")
+    dec.add(Request(prompts[0], 5))
+    dec.add(Request(prompts[1], 5))
+    with pytest.raises(ConfigError, match="batch is full"):
+        dec.add(Request(prompts[2], 5))
+
+
+def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
+    """Sampled sequences accept on the host with their own generators: a seeded request draws
+    the same tokens as in the dynamic loop (same trees, same draws), alone or batched with greedy
+    sequences, and the greedy ones still equal greedy decoding."""
+    target, drafters, prompts, references = setup
+    shape = SHAPES[0]
+    sampling = [SamplingConfig(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafters["oracle"], shape), [],
+                                 target.config.vocab_size)
+    want = [dynamic.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)]
+    dec = _static(target, drafters["oracle"], shape)
+    assert [dec.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)] == want
+    requests = [Request(prompts[i], 30, sampling[i]) for i in range(4)] + [Request(prompts[5], 40)]
+    results = dec.generate_batch(requests, max_batch=8)
+    assert [r.tokens for r in results[:4]] == want and results[4].tokens == references[5]
