@@ -7,7 +7,8 @@ stores every weight MatMul's matrix as int8 with a scale per output channel (act
 quantized per call), a quarter of the bytes. Only drafting changes: verification and the
 acceptance rule are the target's, so speculative output stays token-identical to the target's
 whatever the drafter proposes. The graph uses ONNX Runtime's integer ops (MatMulInteger,
-DynamicQuantizeLinear); TensorRT builds take the FP8 / NVFP4 Q/DQ graphs instead (onnx_qdq.py).
+DynamicQuantizeLinear); TensorRT builds take the FP8 / NVFP4 Q/DQ graphs instead (quant/onnx_qdq.py).
+It lives with the exporters, which make it on request (export_pipeline's `drafter_tree_int8`).
 
 The exporter writes the unrolled tree's later levels as Identity nodes over the same weight
 initializers; ONNX Runtime's quantizer only recognises a MatMul whose weight is an initializer,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import onnx
 
-from ..export.graph_files import install_graph, save_graph
+from .graph_files import install_graph, save_graph
 
 
 def fold_weight_aliases(model: onnx.ModelProto) -> int:
