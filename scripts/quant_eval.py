@@ -1,5 +1,5 @@
-"""Acceptance length and target perplexity under FP8 / NVFP4 quantization of the target, the
-drafter, or both, on real prompts.
+"""What do FP8 / NVFP4 cost in acceptance and perplexity? Acceptance length and target perplexity
+under FP8 / NVFP4 quantization of the target, the drafter, or both, on real prompts.
 
     python scripts/quant_eval.py [--target smollm2] [--drafter PATH] [--prompts 10] [--json]
 
