@@ -74,7 +74,7 @@ def _tree_graph(models, shape: TreeShape, folder: Path, name: str, target_graph:
 
 
 def drafter_graph(models, shape: TreeShape, folder: Path, weights: str = "float32") -> Path:
-    """The drafter-tree graph for `shape` with fp32 or int8 weights (quant/cpu_int8.py), one
+    """The drafter-tree graph for `shape` with fp32 or int8 weights (export/cpu_int8.py), one
     folder per shape (exported once, then reused)."""
     return _tree_graph(models, shape, folder, DRAFTER_WEIGHTS[weights])
 

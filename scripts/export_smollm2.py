@@ -1,5 +1,6 @@
-"""Export SmolLM2-135M-Instruct and its drafter (target graph, drafter-tree graph, both single-step
-drafter graphs) and print the wall time and the process's peak memory (RSS).
+"""How long does exporting SmolLM2-135M-Instruct and its drafter take, and in how much memory?
+Exports the target graph, the drafter-tree graph and both single-step drafter graphs and prints
+the wall time and the process's peak memory (RSS).
 
     python scripts/export_smollm2.py [--out artifacts/onnx] [--drafter PATH] [--dtype float32]
 """

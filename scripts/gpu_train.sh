@@ -4,21 +4,21 @@
 # same committed distillation sets (SETS), seed, options and wall-clock budget (the "same budget"
 # comparison). Target features are computed online, one padded target forward per batch of
 # sequences of similar length, and kept on the GPU for later epochs (nothing on disk). Runs where
-# the GPU is; session 44 (2026-11-27) ran
+# the GPU is; the H200 run of 2026-11-27 (62ece87) was
 #
 #     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 KEEP_GB=60 VARIANTS=eagle3.1 PROFILE=0 \
 #         SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-t07" \
 #         INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 GEN_SET="later sampled"] [BENCH_MIN=2] RESULTS=$OUT bash scripts/gpu_train.sh
 #
-# The device tool carries at most 64 MiB (tracked files plus carried paths) and the GGUF is 98 MB:
-# `git rm --cached -r` docs/results, data/distill and the drafters' model.safetensors and list
-# them in .git/info/exclude with .device/ and .whl/; call 1 carries .device/p1 (the GGUF's first
-# 62,000,000 bytes) and copies it to /root/stash; call 2, made at once (a machine idle for 30 s
-# goes back), carries .device/p2 (the rest), .whl (gguf 0.19.0), the drafter weights INIT needs
-# and the SETS folders plus data/distill/smollm2-val, joins the parts, checks the sha256, installs
-# the wheels (`pip install --no-deps --no-index --target /root/site .whl/*.whl`, PYTHONPATH=/root/site:
-# without --no-deps pip looks for numpy and fails) and runs this; `git reset` after. Session 48 made
-# generation (GEN_SET="later sampled" GEN_BATCH=1024 MIN=0) and training (MIN=2.8) two calls. It leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and
+# The device tool carries at most 64 MiB a call (tracked files plus carried paths). The tracked
+# checkout fits (tests/test_repository.py keeps it under 64 MiB), the 98 MB GGUF does not: call 1
+# carries .device/p1 (the GGUF's first 62,000,000 bytes, listed in .git/info/exclude with .device/
+# and .whl/) and copies it to /root/stash; call 2, made at once (a machine idle for 30 s goes
+# back), carries .device/p2 (the rest) and .whl (gguf 0.19.0), joins the parts, checks the sha256,
+# installs the wheels (`pip install --no-deps --no-index --target /root/site .whl/*.whl`,
+# PYTHONPATH=/root/site: without --no-deps pip looks for numpy and fails) and runs this. The H200
+# run of 2026-11-27 (da663fa) made generation (GEN_SET="later sampled" GEN_BATCH=1024 MIN=0) and
+# training (MIN=2.8) two calls. It leaves RESULTS/gpu_runs.tar.part* (the drafters, train logs and
 # stdout of the runs, in 15 MB parts): join them with `cat gpu_runs.tar.part* | tar x`. On a CPU
 # it runs too (slowly).
 set -euo pipefail

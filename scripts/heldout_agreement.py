@@ -1,6 +1,6 @@
-"""Held-out top-1 agreement and loss of drafters at every TTT step, on a distillation set's
-features (the numbers a training run logs as eval_acc / eval_loss), for any number of steps:
-the CPU legs train and evaluate 3 steps, the GPU legs 5, and a tree of depth 5 uses all 5.
+"""How well do drafters agree with the target at every draft step? Held-out top-1 agreement and
+loss at every TTT step, on a distillation set's features (the numbers a training run logs as
+eval_acc / eval_loss), for any number of steps (a tree of depth 5 uses 5).
 
     python scripts/heldout_agreement.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \
         [--ttt-steps 5] [--eval-distill data/distill/smollm2-val] [--threads 2]

@@ -1,4 +1,4 @@
-"""Held-out agreement per TTT step against training CPU hours (or a GPU run's wall-clock minutes,
+"""How did held-out agreement move with training? Per TTT step, against training CPU hours (or a GPU run's wall-clock minutes,
 --x wall), for drafters' train logs.
 
     python scripts/plot_training.py eagle_trt/drafters/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3 \\

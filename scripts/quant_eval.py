@@ -1,5 +1,5 @@
-"""Acceptance length and target perplexity under FP8 / NVFP4 quantization of the target, the
-drafter, or both, on real prompts.
+"""What do FP8 / NVFP4 cost in acceptance and perplexity? Acceptance length and target perplexity
+under FP8 / NVFP4 quantization of the target, the drafter, or both, on real prompts.
 
     python scripts/quant_eval.py [--target smollm2] [--drafter PATH] [--prompts 10] [--json]
 
@@ -73,7 +73,7 @@ def perplexity(target, samples) -> float:
 def main(argv: list[str] | None = None) -> int:
     from eagle_trt.checkpoints import CheckpointError
     from eagle_trt.config import ConfigError
-    from eagle_trt.train.data import DataError
+    from eagle_trt.data import DataError
     try:
         return run(build_parser().parse_args(argv))
     except (ConfigError, CheckpointError, DataError, FileNotFoundError) as exc:   # QuantError is a ConfigError

@@ -1,6 +1,7 @@
-"""Copy trained drafters from their run folders into eagle_trt/drafters/ with a compact train log
-(the run's args, data, vocabulary and final eval, and the log entries of every 50th step). A run
-whose final held-out agreement (same held-out set, mean over the TTT steps both evaluated) is
+"""Is this training run good enough to ship, and if so, ship it: copy the drafter from its run
+folder into eagle_trt/drafters/ with a compact train log (the run's args, data, vocabulary and
+final eval, the log entries of every 50th step, and `shipped`: the date, commit and machine). A
+run whose final held-out agreement (same held-out set, mean over the TTT steps both evaluated) is
 below the drafter it would replace is refused (exit 1, the run stays in its folder) unless --force.
 
     python scripts/ship_drafters.py ~/.cache/eagle_trt/runs/smollm2-eagle3.1 eagle_trt/drafters/smollm2-eagle3.1 \
@@ -9,9 +10,12 @@ below the drafter it would replace is refused (exit 1, the run stays in its fold
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +56,26 @@ def not_better(log: dict, dest: Path) -> str | None:
             f"shipped drafter's {' / '.join(f'{x:.3f}' for x in old_acc[:k])} (mean {old_mean:.4f})")
 
 
+def shipped_on() -> dict:
+    """When and on what a drafter is shipped: the UTC date, the checkout's commit and the machine
+    (CPU model, AVX-512 or not, cores), the labels the docs use instead of run numbers."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else platform.machine()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": commit,
+            "machine": f"{cpu}, {isa}, {os.cpu_count()} cores"}
+
+
 def ship(run: Path, dest: Path, note: str | None, force: bool = False) -> None:
     src = run / "drafter"
     for name in ("config.json", "model.safetensors"):
@@ -64,6 +88,7 @@ def ship(run: Path, dest: Path, note: str | None, force: bool = False) -> None:
     start = log.get("init_from", {}).get("path")
     if start and (Path(start) / "train_log.json").is_file():    # the lineage: the starting weights' own runs
         log["previous"] = json.loads((Path(start) / "train_log.json").read_text())
+    log["shipped"] = shipped_on()
     if note:
         log["note"] = note
     tmp = dest.with_name(dest.name + ".tmp")

@@ -6,11 +6,11 @@
 #
 #   GEN_MIN=45 TRAIN_MIN=55 bash scripts/train_smollm2_drafters.sh
 #   GEN_SET=sampled GEN_MIN=120 TRAIN_MIN=0 bash scripts/train_smollm2_drafters.sh  # only more data
-#   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # leg 2: the first 20 chunks
+#   GEN_MIN=0 CHUNKS=20 TRAIN_MIN=45 bash scripts/train_smollm2_drafters.sh          # the first 20 chunks only
 #   GEN_MIN=0 VARIANTS=eagle3 TRAIN_MIN=150 bash scripts/train_smollm2_drafters.sh   # one variant catching up
 #   GEN_MIN=0 TRAIN_MIN=60 SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-later" bash ...
 #
-# The sets (docs/training.md#what-survives-between-legs): GEN_SET=first, the greedy answers to
+# The sets (docs/training.md#the-data): GEN_SET=first, the greedy answers to
 # ShareGPT first turns (data/distill/smollm2-sharegpt, all 14,283 answered); later (the default),
 # greedy answers to second and later turns after their conversation (smollm2-sharegpt-later);
 # sampled, the first turns answered again at temperature 0.7 (smollm2-sharegpt-t07). A leg trains
@@ -35,9 +35,9 @@ CACHE=${EAGLE_TRT_CACHE:-$HOME/.cache/eagle_trt}
 GEN_MIN=${GEN_MIN:-45}
 GEN_SET=${GEN_SET:-later}
 TRAIN_MIN=${TRAIN_MIN:-55}
-# Every continued leg dipped where the learning rate restarted (6e-4, 4e-4, 2e-4: leg 8's held-out
-# agreement passed its start only after ~70% of the leg, leg 16's 45 minutes never did); leg 17
-# restarted at 5e-5 and did not dip (docs/training.md).
+# Every continued leg dipped where the learning rate restarted (6e-4, 4e-4, 2e-4: held-out agreement
+# passed its start only after 40-70% of a leg, and a 45-minute leg on 2026-11-26 never did); the
+# leg of 2026-11-27 restarted at 5e-5 and did not dip (docs/training.md#findings-tried-and-dropped).
 LR=${LR:-5e-5}
 WARMUP=${WARMUP:-50}
 FEATURE_PRECISION=${FEATURE_PRECISION:-auto}

@@ -1,5 +1,6 @@
-"""Load a generated Triton repository with concurrent streaming clients and print throughput
-and time to first token against a single stream, measured in one run on this machine.
+"""How does a built Triton repository hold up under concurrent streams? Loads it with concurrent
+streaming clients and prints throughput and time to first token against a single stream,
+measured in one run on this machine.
 
     python scripts/triton_load.py --repository artifacts/smollm2-eagle3.1/triton --streams 16
 

@@ -1,4 +1,4 @@
-"""The drafter-tree graph with int8 weights (quant/cpu_int8.py): every weight MatMul of every
+"""The drafter-tree graph with int8 weights (export/cpu_int8.py): every weight MatMul of every
 tree level reads int8, the graph is re-made only when its source graph changes, and speculative
 decoding with it on ONNX Runtime stays token-identical to the target's own greedy output."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from eagle_trt.api import Models
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
 from eagle_trt.export import export_pipeline
-from eagle_trt.quant.cpu_int8 import fold_weight_aliases
+from eagle_trt.export.cpu_int8 import fold_weight_aliases
 from eagle_trt.runtime.backend import TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget

@@ -167,7 +167,7 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
 
 # An FP8 near-tie: the two candidates' logits (from one causal prefill of the FP8 graph) closer
 # than this. A flipped FP8 activation rounding moves SmolLM2's logits by a few hundredths to
-# about a tenth: the one divergence on an AVX2-only EPYC (session 39, prompt 0, token 10) had a
+# about a tenth: the one divergence on an AVX2-only EPYC (2026-11-26, prompt 0, token 10) had a
 # margin of 0.109, where the AVX-512 machines saw none above 0.1; a wrong KV row or mask moves
 # them by whole units.
 FP8_NEAR_TIE = 0.15

@@ -173,7 +173,7 @@ class ServingSection:
     threads: int = 0               # ONNX Runtime intra-op threads per session, 0: ORT's default
     chat: bool = True              # wrap text prompts in the tokenizer's chat template
     # The drafter graph's weights where ONNX Runtime serves it (the CPU path, no engines): int8
-    # per channel (quant/cpu_int8.py: a quarter of the bytes a memory-bound drafter call reads;
+    # per channel (export/cpu_int8.py: a quarter of the bytes a memory-bound drafter call reads;
     # output unchanged, verification is the target's); float: the graph as built. auto: int8
     # where that graph is fp32.
     drafter_weights: Literal["auto", "int8", "float"] = "auto"

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from .config import BuildConfig
+from ..export.cpu_int8 import quantize_int8
 from ..export.graphs import kv_heads_and_dim
 from .engines import input_dims
 from .store import Progress
@@ -141,7 +142,6 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
     else:
         for graph, path in graphs.items():
             if graph == "drafter_tree" and drafter_int8:
-                from ..quant.cpu_int8 import quantize_int8
                 path = version / "graphs" / f"{path.stem}.int8.onnx"
                 path.parent.mkdir(exist_ok=True)
                 counts = quantize_int8(graphs[graph], path)

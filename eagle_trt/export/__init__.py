@@ -1,5 +1,6 @@
 """ONNX exporters: the target graph, the drafter graph with the draft tree baked in, and
-single-step drafter graphs; plus the TensorRT op-set check."""
+single-step drafter graphs; plus the TensorRT op-set check and the int8-weight copy of the
+drafter tree graph for ONNX Runtime on the CPU (cpu_int8.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,7 @@ import onnx
 import torch
 
 from ..config import TreeShape
+from .cpu_int8 import quantize_int8
 from .iteration import ITERATION_FORMAT, compose_iteration
 from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
 from .opcheck import UnsupportedGraph, check_graph
@@ -51,8 +53,7 @@ def _files_stamp(folder: Path, name: str | None = None) -> list:
 
 
 def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
-    """The int8-weight copy of a graph (quant/cpu_int8.py), with its time and ops for the log."""
-    from ..quant.cpu_int8 import quantize_int8      # the quant package imports the runtime, which imports us
+    """The int8-weight copy of a graph (cpu_int8.py), with its time and ops for the log."""
     start = time.perf_counter()
     quantize_int8(src, dst)
     model = onnx.load(str(dst), load_external_data=False)
@@ -88,7 +89,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     for name, drafter in iterations:     # asked for only: the two graphs composed (export/iteration.py)
         only = (*only, drafter) + (("target",) if target_graph is None else ())
     if only is not None and "drafter_tree_int8" in only:
-        # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (quant/cpu_int8.py)
+        # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8"),
                                      lambda p: _quantized_int8(out_dir / "drafter_tree.onnx", p))
         only = (*only, "drafter_tree")     # quantized from it

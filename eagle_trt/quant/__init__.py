@@ -7,7 +7,9 @@
     onnx_qdq.py    rewrite exported graphs into Q/DQ form (FP8 opset 19, NVFP4 opset 23)
     check.py       layer-by-layer parity of a quantized graph with the reference
     run.py         FP8 graphs on ONNX Runtime (ORT_ENABLE_BASIC), NVFP4 on onnx.reference
-    cpu_int8.py    int8-weight drafter tree graph for ONNX Runtime on the CPU (not a TensorRT form)
+
+(The int8-weight drafter graph for ONNX Runtime on the CPU, not a TensorRT form, is made by the
+exporters: export/cpu_int8.py.)
 
 Typical use:
 

@@ -1,7 +1,7 @@
 """Max calibration: the largest |input| each nn.Linear sees on real prompts.
 
-The prompts are ShareGPT first-turn user messages from the validation split of
-train/data.py (never MT-bench, which is the evaluation set, and never the drafter's training
+The prompts are ShareGPT first-turn user messages from the validation split (eagle_trt/data.py;
+never MT-bench, which is the evaluation set, and never the drafter's training
 split), rendered with the target's chat template. The target runs over each prompt; the
 drafter is fed the target's REAL captured features exactly as the decoder feeds it after a
 prefill (state of token t paired with the id of token t + 1, the target's greedy next token
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import TreeShape, read_json
+from ..data import first_turns, sharegpt_file
 from ..models.drafter import EagleDrafter
 from ..models.target import LlamaTarget, causal_mask
 from ..tree import draft_tree
@@ -31,7 +32,6 @@ def calibration_prompts(tokenizer, count: int = 16, max_tokens: int = 256, path:
                         ) -> list[tuple[str, list[int]]]:
     """(sample id, chat-rendered ids) of up to `count` validation-split ShareGPT first turns of at
     most `max_tokens` tokens, with any MT-bench question rejected."""
-    from ..train.data import first_turns, sharegpt_file
     out = [(sid, ids) for sid, _, ids in first_turns(tokenizer, "val", count, max_tokens, min_tokens=2, path=path)]
     if not out:
         raise QuantError(f"{path or sharegpt_file()}: no validation-split prompts of at most {max_tokens} tokens "

@@ -66,8 +66,8 @@ def make_session(path: str | Path, threads: int | None = None,
     - "in-call" (default): busy-wait inside a call, sleep when it ends
       (session.force_spinning_stop). Speculative decoding alternates two sessions (drafter,
       target): each call gets fast hand-offs between its ops and leaves the cores to the other
-      session. On a 2-core AVX-512 EPYC (scripts/spin_modes.py: 3 MT-bench prompts, int8 drafter,
-      tree 3,2,4) speculative decoding ran at 82.9 tok/s, against 70.1 with "off" and 48.4 with
+      session. On a 2-core AVX-512 EPYC (2026-11-25, docs/benchmarks.md's findings: 3 MT-bench
+      prompts, int8 drafter, tree 3,2,4) speculative decoding ran at 82.9 tok/s, against 70.1 with "off" and 48.4 with
       "always".
     - "always": ONNX Runtime's default, workers keep spinning after a call; as fast for one
       session run call after call (plain decoding: 61.5 tok/s against 61.4 "in-call", 49.7 "off").
