@@ -381,22 +381,47 @@ class WeightsFed:
 
 
 def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:
-    """What a target graph's accept_* outputs must be: greedy acceptance (the reference algorithm,
-    verify.accept_greedy_batch) on the graph's own logits. Acceptance is exact integer logic on
+    """What a target graph's accept_* outputs must be: greedy acceptance on the graph's own logits,
+    computed by walking each tree (walk_acceptance), not by the tensor code the graph's acceptance
+    was exported from, so a fault in that code shows here. Acceptance is exact integer logic on
     top of the logits, and the logits are checked against PyTorch within their tolerance; where
     two logits are closer than that, the graph's argmax may differ from PyTorch's, which is a
     logits rounding, not an acceptance error (the other outputs' tolerances say how close)."""
-    from .export.graphs import greedy_accept
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in feed.items()}
-    if "attention_mask" not in t:     # the iteration graph: its verification inputs are its own (IterationReference)
-        ids, tree_mask = (torch.from_numpy(np.asarray(got[n])) for n in ("input_ids", PREFIX + "tree_mask"))
+    feed = {k: np.asarray(v) for k, v in feed.items()}
+    logits = np.asarray(got["logits"])
+    if "attention_mask" in feed:       # rows that got logits, and their block of the new rows' mask
+        rows = feed["logits_index"]
+        T = feed["input_ids"].shape[1]
+        ids = feed["input_ids"][:, rows]
+        tree_mask = feed["attention_mask"][:, :, -T:][:, rows][:, :, rows]
+    else:                              # the iteration graph: its verification inputs are its own
+        ids = np.asarray(got["input_ids"])
         T = ids.shape[1]                  # the verified nodes (verify_nodes): the tree's first T - 1
-        tree_mask = tree_mask[:, :T, :T]
-        t.update(input_ids=ids, attention_mask=verification_mask(t["past_lengths"], t["past_key_0"].shape[2], tree_mask),
-                 logits_index=torch.arange(ids.shape[1]))
-    out = greedy_accept(torch.from_numpy(np.asarray(got["logits"])).float(), t["input_ids"], t["attention_mask"],
-                        t["logits_index"])
-    return {n: _np(o) for n, o in zip(ACCEPT_OUTPUTS, out)}
+        tree_mask = np.asarray(got[PREFIX + "tree_mask"])[:, :T, :T]
+    out = walk_acceptance(logits.argmax(-1), ids, tree_mask)
+    return dict(zip(ACCEPT_OUTPUTS, out))
+
+
+def walk_acceptance(best: np.ndarray, ids: np.ndarray, tree_mask: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Greedy acceptance of a batch of trees by verify.accept_greedy's walk, one tree at a time:
+    best [B, T] the target's argmax per row, ids [B, T] the rows' tokens (row 0 the root),
+    tree_mask [B, T, T] each row's ancestors. Each node's parent is its ancestor one level up (a
+    row that does not reach the root, such as padding, has none). Returns path [B, T] (zero past
+    its length), length [B] and tokens [B, T] (best at each path entry), the graph's layout."""
+    from .tree import DraftTree
+    from .verify import accept_greedy
+    B, T = ids.shape
+    path_out, length_out = np.zeros((B, T), np.int64), np.zeros(B, np.int64)
+    for b in range(B):
+        mask = tree_mask[b].astype(bool)
+        depth = mask.sum(-1) - 1
+        parents = [-1] + [next((k for k in range(T) if mask[j, k] and depth[k] == depth[j] - 1), -1)
+                          if mask[j, 0] else -1 for j in range(1, T)]
+        tree = DraftTree(torch.from_numpy(ids[b, 1:].copy()), torch.tensor(parents), torch.from_numpy(mask),
+                         torch.from_numpy(depth), torch.zeros(T - 1))
+        path, _ = accept_greedy(tree, torch.nn.functional.one_hot(torch.from_numpy(best[b]), int(best[b].max()) + 1))
+        path_out[b, :len(path)], length_out[b] = path, len(path)
+    return path_out, length_out, np.take_along_axis(best, path_out, 1).astype(np.int64)
 
 
 def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:

@@ -7,7 +7,9 @@ measured in one run on this machine.
 Phase 1: the same requests one at a time on one stream (the single-stream baseline).
 Phase 2: all of them at once, one gRPC stream each (the model batches up to
 serving.max_concurrent; the rest wait for a slot). Prompts: MT-bench, chat template on, each
-with --max-tokens (greedy). Also checks that every phase-2 stream equals its phase-1 tokens."""
+with --max-tokens (greedy). Also checks that every phase-2 stream equals its phase-1 tokens, and
+times the refusal of a malformed request (max_tokens 0) sent one second into phase 2, while
+requests wait for a slot: validation must not wait for one."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +23,8 @@ import numpy as np
 
 
 def stream_once(url: str, model: str, prompt: str, max_tokens: int) -> tuple[list[int], float, float]:
-    """One streamed request: (tokens, seconds to the first token, seconds to the final flag)."""
+    """One streamed request: (tokens, seconds to the first token, seconds to the final flag); a
+    refused request raises RuntimeError."""
     import tritonclient.grpc as grpcclient
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         for t in threads:
             t.start()
+        time.sleep(1.0)
+        refused = time.perf_counter()
+        try:
+            stream_once(server.grpc_url, args.model, prompts[0], 0)
+            refusal = None
+        except RuntimeError:
+            refusal = time.perf_counter() - refused
         for t in threads:
             t.join()
         load_s = time.perf_counter() - start
@@ -99,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts):2d} streams at once: {load_rate:7.1f} tok/s   TTFT p50 {1e3 * pct(ttft_load, 50):6.0f} ms, "
           f"p99 {1e3 * pct(ttft_load, 99):6.0f} ms   ({load_rate / solo_rate:.2f}x one stream)")
     print(f"streams identical to their one-at-a-time output: {same}/{len(prompts)}")
-    return 0 if same == len(prompts) else 1
+    print("malformed request under load: " + (f"refused in {1e3 * refusal:.0f} ms" if refusal is not None
+                                               else "NOT refused"))
+    return 0 if same == len(prompts) and refusal is not None else 1
 
 
 if __name__ == "__main__":

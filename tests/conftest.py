@@ -47,6 +47,37 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = first + quick[:k] + second + quick[k:]
 
 
+# Serving tests need tritonclient and the tritonserver bundled in nvidia-pytriton, both in the
+# requirements: where one is missing they fail, naming it, so a broken install cannot pass as a
+# green run of skips. A machine set up without them on purpose says so with this variable.
+SKIP_SERVING = "EAGLE_TRT_SKIP_SERVING"
+
+
+def serving_missing() -> str | None:
+    """What the serving tests need and this environment lacks (None: nothing)."""
+    try:
+        import tritonclient.grpc  # noqa: F401
+    except ImportError as exc:
+        return f"tritonclient is missing (import tritonclient.grpc: {exc})"
+    from eagle_trt.build.local_triton import TritonUnavailable, bundled_tritonserver
+    try:
+        bundled_tritonserver()
+    except TritonUnavailable as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def require_serving() -> None:
+    """Fail (or, with EAGLE_TRT_SKIP_SERVING=1, skip) where serving_missing() names something."""
+    problem = serving_missing()
+    if problem is None:
+        return
+    if os.environ.get(SKIP_SERVING) == "1":
+        pytest.skip(f"{problem} ({SKIP_SERVING}=1)", allow_module_level=True)
+    pytest.fail(f"{problem}: the serving tests need it (make setup installs it; {SKIP_SERVING}=1 skips them "
+                f"on purpose)", pytrace=False)
+
+
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}

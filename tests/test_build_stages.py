@@ -112,6 +112,25 @@ def test_second_run_is_all_cached_and_rewrites_nothing(tiny, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
 
 
+def test_a_stage_made_by_changed_code_is_made_again(tiny, tmp_path, monkeypatch):
+    """The stage keys hold the hash of the code that makes each stage (codehash.py): here taken
+    from a copy of the package in which one constant of the quantizer's rewrite changed, so the
+    quantize stage runs again (and what reads its graphs, where they changed), the rest is cached."""
+    import eagle_trt.build.pipeline as pipeline
+    from eagle_trt.codehash import code_digest
+    from test_codehash import edit, package_copy
+    out = copy_build(tiny, tmp_path)
+    root = package_copy(tmp_path / "src")
+    monkeypatch.setattr(pipeline, "code_digest", lambda *modules: code_digest(*modules, root=root))
+    m = build(config_from_dict(tiny["data"], "tiny.yaml"), out, log=None)
+    assert set(statuses(m).values()) <= {"cached", "skipped"}, "an unchanged copy of the code keeps every stage"
+    edit(root, "quant/onnx_qdq.py", "from __future__ import annotations", "from __future__ import annotations\nX = 1")
+    code_digest.cache_clear()
+    m = build(config_from_dict(tiny["data"], "tiny.yaml"), out, log=None)
+    ran = {n for n, s in statuses(m).items() if s == "ran"}
+    assert "quantize" in ran and not {"validate", "export"} & ran, statuses(m)
+
+
 @pytest.mark.parametrize("change, reran", [
     ({"serving": {"max_tokens": 5}}, {"triton"}),
     ({"serving": {"drafter_weights": "float"}}, {"triton"}),
@@ -279,7 +298,8 @@ def test_profile_shapes_follow_the_graphs_named_axes(tiny):
 
 
 def test_triton_configs_parse_as_triton_model_configs(tiny):
-    pytest.importorskip("tritonclient.grpc")
+    from conftest import require_serving
+    require_serving()
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 

@@ -85,6 +85,28 @@ def test_parity_check_catches_a_wrong_graph(exported, tmp_path):
     assert not report.passed and not next(o for o in report.outputs if o.output == "drafter.tree_scores").passed
 
 
+def test_parity_catches_a_wrong_acceptance_exported_into_the_graph(exported, tmp_path, monkeypatch):
+    """A fault planted in the acceptance code the target graph is exported from (one node too
+    many accepted): parity's reference walks the trees itself (a reference computed by the same
+    code, as it was, would agree with the graph), so accept_length fails and nothing else does."""
+    import eagle_trt.export.graphs as graphs
+    from eagle_trt.verify import accept_greedy_batch
+    target, drafter, _ = exported
+
+    def one_too_many(best, ids, mask):
+        path, length, tokens = accept_greedy_batch(best, ids, mask)
+        return path, torch.clamp(length + 1, max=ids.shape[1]), tokens
+    monkeypatch.setattr(graphs, "accept_greedy_batch", one_too_many)
+    wrong = export_target(target.model, tmp_path / "wrong_accept.onnx").path
+    monkeypatch.undo()
+    report = check_case(target_case(target.model, wrong, "float32", [list(range(3, 40))], SHAPE, drafter))
+    failed = {o.output for o in report.outputs if not o.passed}
+    assert failed == {"accept_length"}, failed
+    right = check_case(target_case(target.model, exported[2]["target"], "float32", [list(range(3, 40))], SHAPE,
+                                   drafter))
+    assert right.passed
+
+
 @pytest.mark.parametrize("acceptance", ["host", "graph"])
 def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance):
     """Greedy acceptance on the host (torch) or inside the target graph: the same tokens."""
@@ -316,31 +338,34 @@ def test_failed_export_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch)
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_fp16_target_graph_runs_and_stays_close(tiny_target, tmp_path):
+def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tmp_path):
+    """An fp16 target graph: parity with the fp16 PyTorch model, and its own logits (not the
+    fp16 model's) within fp16 rounding of the fp32 model's. Composed with a float32 drafter
+    graph, the iteration graph matches PyTorch (fp16 target, fp32 drafter) on every output,
+    the hand-off casting the fp16 states to the drafter's float32."""
     import copy
+    from eagle_trt.parity import parity_session
     model = copy.deepcopy(tiny_target.model).half()
     path = export_target(model, tmp_path / "target16.onnx", dtype="float16").path
-    case = target_case(model, path, "float16", [list(range(3, 30))])
+    prompt = list(range(3, 30))
+    case = target_case(model, path, "float16", [prompt])
     report = check_case(case)
     assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
-    ref32 = target_case(tiny_target.model, path, "float32", [list(range(3, 30))]).reference[1]["logits"]
-    assert np.abs(case.reference[1]["logits"].astype(np.float32) - ref32).max() < 0.1
-    # composed with a float32 drafter: the hand-off casts the fp16 states to what the drafter takes
+    feed = case.feeds[1]                                              # the real prefill
+    graph_logits = parity_session(path, "float16").run(["logits"], feed)[0].astype(np.float32)
+    ref32 = target_case(tiny_target.model, path, "float32", [prompt]).reference[1]["logits"]
+    error = np.abs(graph_logits - ref32).max()
+    assert 0 < error < 0.1, f"fp16 graph vs fp32 model: max abs {error}"
     drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
     tree_graph = export_drafter_tree(drafter, SHAPE, tmp_path / "drafter_tree.onnx").path
-    session = make_session(compose_iteration(path, tree_graph, tmp_path / "iteration.onnx").path)
-    feed = {i.name: np.zeros([d if isinstance(d, int) else 1 if d == "batch" else 0 for d in i.shape],
-                             np.float16 if i.type == "tensor(float16)" else np.float32)
-            for i in session.get_inputs() if i.type != "tensor(int64)"}
-    gen = np.random.default_rng(0)
-    feed[PREFIX + "captured"] = gen.standard_normal((1, 3, feed[PREFIX + "captured"].shape[-1]), dtype=np.float32)
-    feed.update({PREFIX + "input_ids": np.array([[5, 6, 7]]), PREFIX + "past_lengths": np.array([0]),
-                 PREFIX + "new_lengths": np.array([3]), "past_lengths": np.array([0]), "verify_nodes": np.array([4])})
-    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
-    path_rows = out["accept_path"][0, :3]
-    assert out["next_captured"].dtype == np.float32 and out["captured"].dtype == np.float16
-    assert np.array_equal(out["next_captured"][0], out["captured"][0, path_rows].astype(np.float32))
-    assert np.array_equal(out["next_input_ids"], out["accept_tokens"][:, :3])
+    iteration = compose_iteration(path, tree_graph, tmp_path / "iteration.onnx").path
+    real = [(case.reference[1], prompt[1:] + [int(case.reference[1]["logits"][0, -1].argmax())])]
+    report = check_case(iteration_case(model, drafter, SHAPE, iteration, "float16", real))
+    assert report.passed, [(o.output, o.max_abs) for o in report.outputs if not o.passed]
+    outputs = {o.output for o in report.outputs}
+    assert {"drafter.tree_tokens", "logits", "accept_path", "next_captured", "next_input_ids"} <= outputs
+    declared = {o.name: o.type.tensor_type.elem_type for o in onnx.load(str(iteration), load_external_data=False).graph.output}
+    assert declared["next_captured"] == TensorProto.FLOAT and declared["captured"] == TensorProto.FLOAT16
 
 
 def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):

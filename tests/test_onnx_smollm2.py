@@ -1,6 +1,7 @@
 """The exported graphs of the real SmolLM2 target: parity with PyTorch, and greedy generation
-on ONNX Runtime token-identical to transformers' generate on 20 MT-bench prompts x 64 tokens,
-one sequence at a time and continuously batched."""
+on ONNX Runtime token-identical to transformers' generate on MT-bench prompts: the first 8 one
+at a time (64 tokens each), then all 20 continuously batched with mixed limits (64, 55 and 46
+tokens; conftest.check_planted_greedy)."""
 from __future__ import annotations
 
 import json

@@ -173,7 +173,8 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
 FP8_NEAR_TIE = 0.15
 
 
-def test_speculative_fp8_graphs_equal_greedy_fp8_on_mtbench(smol, smollm2, mtbench_ids):
+def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at_near_ties(smol, smollm2,
+                                                                                         mtbench_ids):
     """FP8 target + FP8 drafter graphs on ONNX Runtime give the tokens of greedy decoding with the
     same FP8 target graph on 20 real MT-bench prompts, except at FP8 near-ties.
 
@@ -214,9 +215,10 @@ def test_speculative_fp8_graphs_equal_greedy_fp8_on_mtbench(smol, smollm2, mtben
     assert len(diverged) <= 2, f"speculative FP8 output diverges from greedy FP8 on {len(diverged)} prompts: {diverged}"
 
 
-def test_one_row_calls_round_differently_which_is_why_fp8_pads_them(smol, smollm2, mtbench_ids):
-    """The premise of min_rows: the same token on the same past gives bit-identical logits in
-    2-row and 17-row calls, but not (in general) in a 1-row call."""
+def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, mtbench_ids):
+    """The premise of min_rows: the same token on the same past gives bit-identical logits in a
+    1-row call padded to 2 rows, a 2-row call and a 17-row call. (An unpadded 1-row call may round
+    differently on some CPUs: printed, not asserted, since on others it does not.)"""
     target, _ = fp8_backends(smol["graphs"]["target", "fp8"], None, TREE, smollm2.config.max_position_embeddings)
     ids = mtbench_ids[0]
     n = len(ids)

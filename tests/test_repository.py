@@ -67,3 +67,24 @@ def test_an_oversized_checkout_names_its_largest_files(tmp_path):
     assert report(by_path, 3010) is None
     problem = report(by_path, 3009, top=1)
     assert problem is not None and "3,010 bytes" in problem and "big.bin" in problem and "small.txt" not in problem
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["fails", "skips-when-told"])
+def test_serving_tests_fail_naming_a_missing_tritonclient(skip):
+    """A broken install (tritonclient unimportable) fails the serving tests with one line naming
+    it; they skip only where EAGLE_TRT_SKIP_SERVING=1 says so."""
+    import sys
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("EAGLE_TRT_SKIP_SERVING", None)
+    if skip:
+        env["EAGLE_TRT_SKIP_SERVING"] = "1"
+    code = ("import sys; sys.modules['tritonclient'] = None; import pytest; "
+            "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:xdist', '-p', 'no:cacheprovider', "
+            "'tests/test_triton_serving.py']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if "tritonclient is missing" in line]
+    if skip:
+        assert proc.returncode == 5 and lines and lines[0].startswith("SKIPPED"), proc.stdout[-2000:]
+    else:
+        assert proc.returncode not in (0, 5), proc.stdout[-2000:]
+        assert any("the serving tests need it" in line for line in lines), proc.stdout[-2000:]

@@ -13,19 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("tritonclient.grpc")
-from eagle_trt.build.local_triton import (
-    LocalTriton,
-    TritonUnavailable,
-    bundled_tritonserver,
-)
+from conftest import require_serving
 
-try:
-    bundled_tritonserver()
-except TritonUnavailable as exc:
-    pytest.skip(str(exc), allow_module_level=True)
+require_serving()   # tritonclient and the bundled tritonserver: missing, the module fails naming it
+import tritonclient.grpc as grpcclient  # noqa: E402
 
-import tritonclient.grpc as grpcclient
+from eagle_trt.build.local_triton import LocalTriton  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL, NEW_TOKENS = "eagle_trt", 16
@@ -162,10 +155,13 @@ BAD_UNDER_LOAD = {
 def test_sixteen_concurrent_streams_with_a_cancel_and_bad_requests(server, offline):
     """16 streaming clients at once (8 decode in the running batch, 8 wait for a slot), mixed
     prompts and max_tokens; one cancels mid-stream; malformed requests sent under that load are
-    refused within a second. Every completed stream equals its offline batch-1 output."""
+    refused without waiting for a batch slot: before the ninth stream finishes (a request queued
+    behind the eight waiting ones would get its slot only after nine have). Every completed
+    stream equals its offline batch-1 output. (No wall-clock bound: scripts/triton_load.py
+    measures refusal latency.)"""
     limits = [NEW_TOKENS - (i % 4) * 3 for i in range(16)]
     results: dict[int, tuple] = {}
-    refusals: dict[str, tuple[float, str | None]] = {}
+    refusals: dict[str, tuple[int, str | None]] = {}
 
     def one(i: int) -> None:
         stream = Stream(server)
@@ -187,10 +183,9 @@ def test_sixteen_concurrent_streams_with_a_cancel_and_bad_requests(server, offli
         make, _ = BAD_UNDER_LOAD[name]
         stream = Stream(server)
         try:
-            start = time.perf_counter()
             stream.send(make())
             _, _, error = stream.collect(timeout=60)
-            refusals[name] = (time.perf_counter() - start, error)
+            refusals[name] = (sum(1 for i in range(16) if i in results), error)   # streams finished by then
         finally:
             stream.close()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)] + [threading.Thread(target=cancelling)]
@@ -208,9 +203,9 @@ def test_sixteen_concurrent_streams_with_a_cancel_and_bad_requests(server, offli
         assert error is None, f"stream {i}: {error}"
         assert flat(pieces) == offline["tokens"][i][:limits[i]], f"stream {i} differs from its offline output"
     for name, (_, message) in BAD_UNDER_LOAD.items():
-        seconds, error = refusals[name]
+        finished, error = refusals[name]
         assert error is not None and message in error, (name, error)
-        assert seconds < 1.0, f"{name}: refused after {seconds:.1f}s under load; validation must not wait"
+        assert finished <= 8, f"{name}: refused after {finished} streams finished: validation waited for a slot"
     assert server.alive()
     assert "waiting for a batch slot" in server.log
     assert_still_serving(server, offline)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..codehash import code_digest
 from ..config import CaptureLayers, ConfigError, DrafterConfig, TargetConfig, read_json
 from .config import BuildConfig, BuildConfigError, config_to_dict
 from .store import (
@@ -39,8 +40,11 @@ STAGES = ("validate", "export", "quantize", "parity", "engines", "triton")
 DEPENDS = {"validate": (), "export": ("validate",), "quantize": ("validate", "export"),
            "parity": ("validate", "export", "quantize"), "engines": ("export", "quantize"),
            "triton": ("validate", "export", "quantize", "engines")}
-# Bump when a stage's code changes what it writes, so old caches are not reused.
-STAGE_VERSION = {"validate": 1, "export": 2, "quantize": 2, "parity": 2, "engines": 2, "triton": 3}   # 2: batch axis; 3: int8 drafter
+# The module that does each stage's work: the hash of its code and of what it imports from the
+# package is part of the stage's key (codehash.py), so a stage made by other code is made again.
+STAGE_CODE = {"validate": "eagle_trt.checkpoints", "export": "eagle_trt.export.onnx_export",
+              "quantize": "eagle_trt.build.quantize", "parity": "eagle_trt.build.checks",
+              "engines": "eagle_trt.build.engines", "triton": "eagle_trt.build.triton"}
 
 
 class BuildError(ConfigError):
@@ -99,7 +103,7 @@ class Build:
 
     def run(self, name: str, selected: bool, key_data: dict, fn: Callable[[Path], dict],
             skip_reason: str | None = None) -> StageResult:
-        key = sha256_json({"stage": name, "version": STAGE_VERSION[name], **key_data})
+        key = sha256_json({"stage": name, "code": code_digest(STAGE_CODE[name]), **key_data})
         rec = self.store.record(name)
         if rec is not None and rec.key == key and not (self.force and selected):
             problem = self.store.valid(rec)

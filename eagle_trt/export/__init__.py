@@ -13,6 +13,7 @@ from typing import TextIO
 import onnx
 import torch
 
+from ..codehash import code_digest
 from ..config import TreeShape
 from .cpu_int8 import quantize_int8
 from .iteration import ITERATION_FORMAT, compose_iteration
@@ -30,6 +31,8 @@ __all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "
 # 7: head-major KV [B, Hkv, rows, D], attended in place beside the new rows (no concat of the past);
 # 8: draft tree nodes in rank order (best first), so the n best nodes are the first n
 GRAPH_FORMAT = 8
+# The code each kind of graph is made by: its hash is part of every cached graph's key (codehash.py)
+EXPORTER, INT8_WEIGHTS, COMPOSER = "eagle_trt.export.onnx_export", "eagle_trt.export.cpu_int8", "eagle_trt.export.iteration"
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -77,7 +80,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = {"target": str(models.target.folder), "target_files": _files_stamp(models.target.folder), "dtype": dtype,
-            "capture": list(models.target.model.capture_streams), "format": GRAPH_FORMAT}
+            "capture": list(models.target.model.capture_streams), "format": GRAPH_FORMAT,
+            "code": code_digest(EXPORTER)}
     # the drafter's weights themselves: a drafter retrained into the same folder is re-exported
     drafter_key = dict(base, drafter=models.drafter_source, drafter_weights=weights_digest(models.drafter))
     stamp = out_dir / "export.json"
@@ -90,12 +94,13 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
         only = (*only, drafter) + (("target",) if target_graph is None else ())
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)
-        jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8"),
+        jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8", int8_code=code_digest(INT8_WEIGHTS)),
                                      lambda p: _quantized_int8(out_dir / "drafter_tree.onnx", p))
         only = (*only, "drafter_tree")     # quantized from it
     target_path = Path(target_graph) if target_graph is not None else out_dir / "target.onnx"
     for name, drafter in iterations:
-        jobs[name] = (dict(jobs[drafter][0], composed_with=str(target_path), iteration_format=ITERATION_FORMAT),
+        jobs[name] = (dict(jobs[drafter][0], composed_with=str(target_path), iteration_format=ITERATION_FORMAT,
+                           composer_code=code_digest(COMPOSER)),
                       lambda p, d=drafter: compose_iteration(target_path, out_dir / f"{d}.onnx", p,
                                                              tensorrt=d == "drafter_tree"))
     if step_graphs:
