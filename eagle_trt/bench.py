@@ -11,8 +11,11 @@ prompts and the same machine:
   fp32 drafter on ONNX Runtime; the exported fp32 graph with --drafter-weights float32) and the
   target graph's verification, composed into one graph called once per iteration (the iteration
   graph, export/iteration.py; --iteration-graph off calls the two in turn);
-- `torch-autoregressive` / `torch-speculative` (with --torch-row, and always on CUDA): the same
-  loops on the PyTorch backend on --device (bf16 on CUDA), tree as above.
+- `torch-autoregressive` / `torch-speculative` (with --torch-row): the same loops on the PyTorch
+  backend, tree as above.
+On a GPU (--device cuda, or auto where there is one) the bench is eagle_trt/device_bench.py:
+captured speculative and plain decoding against transformers compiled and eager, and the graphs on
+ONNX Runtime's CUDA provider.
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
 since the best shape depends on how verification cost grows with tokens on the hardware.
 Each prompt is decoded --repeats times (default 2) in both ONNX Runtime modes, the modes
@@ -321,6 +324,16 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    add_device_options(pre)
+    known, _ = pre.parse_known_args(argv)
+    try:
+        on_gpu = resolve_device(known.device).type == "cuda"
+    except ConfigError:
+        on_gpu = False      # reported by the full parse below
+    if on_gpu:   # a GPU: captured decoding against the best plain decoding there (device_bench.py)
+        from . import device_bench
+        return device_bench.main(argv)
     p = argparse.ArgumentParser(prog="python -m eagle_trt.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2")
@@ -351,7 +364,7 @@ def main(argv=None) -> int:
                         "turn (off; always so with node trim, which picks the nodes between the calls). The tree "
                         "sweep runs the two graphs")
     p.add_argument("--torch-row", action="store_true",
-                   help="also time the PyTorch backend on --device (always done when the device is CUDA)")
+                   help="also time the PyTorch backend (the dynamic loop) on the CPU")
     p.add_argument("--concurrency", default="", help="comma-separated stream counts (e.g. 1,2,4,8): batched and "
                    "per-request serving of --concurrency-prompts MT-bench prompts at each level (see "
                    "eagle_trt/concurrency.py); with --workloads '' only this")
@@ -377,7 +390,7 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         models = prepare_models(args.target, args.drafter, log=sys.stderr)   # fp32 on the CPU: the graphs' source
         torch_models = None
-        if args.torch_row or device.type == "cuda":
+        if args.torch_row:
             same = device.type == "cpu" and dtype == "float32"
             torch_models = models if same else prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]

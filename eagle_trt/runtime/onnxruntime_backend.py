@@ -59,8 +59,11 @@ SPIN_MODES = ("in-call", "always", "off")
 
 def make_session(path: str | Path, threads: int | None = None,
                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-                 config: dict[str, str] | None = None, spin: str = "in-call") -> ort.InferenceSession:
+                 config: dict[str, str] | None = None, spin: str = "in-call",
+                 providers: list[str] | None = None) -> ort.InferenceSession:
     """config: ONNX Runtime session config entries (e.g. the FP8 settings in eagle_trt.quant.run).
+    providers: ONNX Runtime's execution providers (default: the CPU's); with CUDAExecutionProvider
+    (onnxruntime-gpu) the CUDA and cuDNN libraries PyTorch brings are loaded first.
 
     spin, how the worker threads wait between the graph's ~2,000 small ops and between calls:
     - "in-call" (default): busy-wait inside a call, sleep when it ends
@@ -89,8 +92,11 @@ def make_session(path: str | Path, threads: int | None = None,
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    providers = providers or ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in providers and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
     try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
         raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
 

@@ -68,6 +68,7 @@ class Replayer:
         self.compiled: dict = {}
         self.warmup_seconds = 0.0      # eager warm-up, compilation and capture, apart from decoding
         self.replays = 0
+        self.events: list | None = None   # [] to time each replay on the GPU (CUDA events): see gpu_seconds
 
     def run(self, fn: Callable, B: int):
         key = (fn.__name__, B)
@@ -79,7 +80,14 @@ class Replayer:
             return fn(B)
         if self.graphs.get(key) is not None:
             graph, out = self.graphs[key]
-            graph.replay()
+            if self.events is None:
+                graph.replay()
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                self.events.append((start, end))
             self.replays += 1
             return out
         start = time.perf_counter()
@@ -99,6 +107,15 @@ class Replayer:
         torch.cuda.synchronize()
         self.warmup_seconds += time.perf_counter() - start
         return out
+
+    def gpu_seconds(self) -> float:
+        """Seconds the GPU spent in the replays timed since the last call (synchronizes)."""
+        if not self.events:
+            return 0.0
+        torch.cuda.synchronize()
+        seconds = sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+        self.events = []
+        return seconds
 
 
 class StaticDecoder(DecodingLoop):
@@ -141,6 +158,7 @@ class StaticDecoder(DecodingLoop):
         # the host's acceptance of sampled sequences, copied in for the commit
         self.accepted_in = torch.zeros(max_batch, 2 * T + 1, **i64)   # [path | length | tokens] per sequence
         self.verified: dict[int, dict] = {}   # batch size -> the verification outputs the commit reads
+        self.step_seconds = 0.0               # wall time inside step(): with Replayer.gpu_seconds, the GPU's idle share
 
     # ---- fixed-shape device functions, one CUDA graph each per batch size ----
 
@@ -282,6 +300,7 @@ class StaticDecoder(DecodingLoop):
         batch = list(self.active)
         if not batch:
             return []
+        start = time.perf_counter()
         B, T = len(batch), self.nodes + 1
         if all(s.request.sampling.greedy for s in batch):
             rows = self.replayer.run(self.iteration, B).tolist()     # the one copy to the host
@@ -301,6 +320,7 @@ class StaticDecoder(DecodingLoop):
                 finished.append(s)
         for s in finished:
             self._leave(self.active.index(s))
+        self.step_seconds += time.perf_counter() - start
         return finished
 
     def _sampled_step(self, batch: list[Sequence]) -> list[list[int]]:

@@ -1,0 +1,328 @@
+"""python -m eagle_trt.bench --device cuda: speculative decoding on a GPU against the fastest plain
+decoding a user has there, measured in one run, on the same prompts, in the same dtype.
+
+Rows (--rows picks; each prompt is decoded by every row in turn):
+- `captured plain`: plain decoding on the PyTorch backend, each iteration replayed as one CUDA
+  graph (runtime/static.py): the fair plain baseline on a GPU;
+- `transformers compiled`: generate() with a StaticCache, with which transformers compiles its
+  decode step (torch.compile with CUDA graphs), as its docs recommend;
+- `transformers eager`: generate() as it comes;
+- `captured speculative D,k,N`: the whole speculative iteration (draft tree, verification, greedy
+  acceptance, KV commit, hand-off) replayed as one CUDA graph, one row per --tree shape;
+- `onnxruntime cuda plain` / `speculative`: the exported graphs on ONNX Runtime's CUDA execution
+  provider (onnxruntime-gpu) where it is installed, fp32; a failure is the row's result.
+With --streams N the captured rows also decode all prompts N at a time (continuous batching,
+one graph per batch size).
+
+Warm-up (compilation, capture) runs on a held-out prompt and is reported apart. For the captured
+rows the GPU's busy time inside the replays is measured with CUDA events; idle is the rest of
+the decode steps' wall time. On a CPU the same rows run without capture or compilation: a dry
+run of the GPU check (scripts/gpu_check.sh), no measurement of the GPU's."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .api import prepare_models
+from .checkpoints import CheckpointError, cache_dir
+from .config import ConfigError, TreeShape
+from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
+from .runtime.backend import TorchDrafter, TorchTarget
+from .runtime.decoder import Request
+from .runtime.static import StaticDecoder
+from .workloads import build
+
+ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", "onnxruntime-cuda")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class CapturedRow:
+    """A StaticDecoder (speculative or plain), timed per prompt, its GPU time per replay."""
+
+    def __init__(self, name: str, decoder: StaticDecoder, device: torch.device):
+        self.name, self.decoder, self.device = name, decoder, device
+        decoder.replayer.events = [] if decoder.replayer.capture else None
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> dict:
+        dec = self.decoder
+        synchronize(self.device)
+        dec.step_seconds, dec.replayer.events = 0.0, [] if dec.replayer.capture else None
+        start = time.perf_counter()
+        res = dec.generate(ids, max_new_tokens)
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        return {"tokens": res.tokens, "seconds": seconds, "accept": res.accept_lengths,
+                "step_seconds": dec.step_seconds, "gpu_seconds": dec.replayer.gpu_seconds()}
+
+    def batch(self, prompts: list[list[int]], max_new_tokens: int, streams: int) -> dict:
+        synchronize(self.device)
+        start = time.perf_counter()
+        results = self.decoder.generate_batch([Request(ids, max_new_tokens) for ids in prompts], streams)
+        synchronize(self.device)
+        return {"tokens": [r.tokens for r in results], "seconds": time.perf_counter() - start}
+
+
+class TransformersRow:
+    """transformers' generate(), eager or with a StaticCache (compiled on a GPU, reset per prompt)."""
+
+    def __init__(self, name: str, folder: Path, device: torch.device, dtype: torch.dtype, compiled: bool,
+                 max_cache_len: int):
+        from transformers import AutoModelForCausalLM, StaticCache
+        self.name, self.device = name, device
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.cache = StaticCache(config=self.model.config, max_cache_len=max_cache_len) if compiled else None
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> dict:
+        synchronize(self.device)
+        start = time.perf_counter()
+        x = torch.tensor([ids], device=self.device)
+        extra = {}
+        if self.cache is not None:
+            self.cache.reset()
+            extra["past_key_values"] = self.cache
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0], **extra)
+        tokens = out[0, len(ids):].tolist()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+        return {"tokens": tokens if cut is None else tokens[:cut + 1], "seconds": seconds}
+
+
+class OrtCudaRow:
+    """The exported fp32 graphs on ONNX Runtime's CUDA execution provider (onnxruntime-gpu)."""
+
+    def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int]):
+        from .export import export_pipeline
+        from .runtime.decoder import SpeculativeDecoder
+        from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+        self.name = name
+        graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, log=sys.stderr,
+                                 only=("target", "drafter_tree") if shape else ("target",))
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers)
+        drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers) if shape else None
+        self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> dict:
+        start = time.perf_counter()
+        res = self.decoder.generate(ids, max_new_tokens)
+        return {"tokens": res.tokens, "seconds": time.perf_counter() - start, "accept": res.accept_lengths}
+
+
+def ort_cuda_available() -> str | None:
+    """None where onnxruntime has the CUDA execution provider, else why not."""
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    return None
+
+
+def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: str, capacity: int) -> list:
+    """The rows --rows asks for, in the order they run on each prompt."""
+    eos, vocab = models.eos_ids, models.target.config.vocab_size
+    rows, want = [], set(args.rows.split(","))
+    unknown = want - set(ROWS)
+    if unknown:
+        raise ConfigError(f"--rows: unknown {sorted(unknown)}; known: {', '.join(ROWS)}")
+    capture = "off" if device.type != "cuda" else "auto"
+    static = dict(max_batch=max(args.streams, 1), capacity=capacity, capture=capture, compile=args.compile)
+    if "captured-plain" in want:
+        rows.append(CapturedRow("captured plain", StaticDecoder(TorchTarget(models.target.model), None, eos, vocab,
+                                                                **static), device))
+    for shape in shapes if "captured-speculative" in want else []:
+        label = f"captured speculative {shape.depth},{shape.top_k},{shape.total_tokens}"
+        rows.append(CapturedRow(label, StaticDecoder(TorchTarget(models.target.model),
+                                                     TorchDrafter(models.drafter, shape), eos, vocab, **static), device))
+    for name, compiled in (("transformers-compiled", True), ("transformers-eager", False)):
+        if name in want:
+            rows.append(TransformersRow(name.replace("-", " "), models.target.folder, device, torch_dtype(dtype),
+                                        compiled, capacity))
+    if "onnxruntime-cuda" in want:
+        why = ort_cuda_available()
+        folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
+        for label, shape in (("onnxruntime cuda plain", None), ("onnxruntime cuda speculative", shapes[0])):
+            try:
+                if why is not None:
+                    raise RuntimeError(why)
+                rows.append(OrtCudaRow(label, f32_models, shape, folder, eos))
+            except Exception as exc:  # noqa: BLE001 - a provider that cannot run the graphs is a result
+                rows.append(FailedRow(label, f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+class FailedRow:
+    """A row that could not run: its error is its result."""
+
+    def __init__(self, name: str, error: str):
+        self.name, self.error = name, error
+
+
+def run(rows: list, prompts: list[list[int]], warm: list[int], max_new_tokens: int, eos: set[int]) -> dict:
+    """Every prompt through every row in turn; returns per-row totals."""
+    report = {}
+    for row in rows:
+        entry = report[row.name] = {"tokens": 0, "seconds": 0.0, "outputs": [], "accept": [], "error": None,
+                                    "step_seconds": 0.0, "gpu_seconds": 0.0, "warmup_seconds": 0.0}
+        if isinstance(row, FailedRow):
+            entry["error"] = row.error
+            continue
+        start = time.perf_counter()
+        try:
+            _generate(row, warm, max_new_tokens, eos)       # compilation and capture of batch 1
+            _generate(row, warm, max_new_tokens, eos)
+        except Exception as exc:  # noqa: BLE001
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["warmup_seconds"] = time.perf_counter() - start
+    for i, ids in enumerate(prompts):
+        line = []
+        for row in rows:
+            entry = report[row.name]
+            if entry["error"] is not None:
+                continue
+            try:
+                out = _generate(row, ids, max_new_tokens, eos)
+            except Exception as exc:  # noqa: BLE001 - reported, the other rows go on
+                entry["error"] = f"prompt {i}: {type(exc).__name__}: {exc}"
+                continue
+            entry["tokens"] += len(out["tokens"])
+            entry["seconds"] += out["seconds"]
+            entry["outputs"].append(out["tokens"])
+            entry["accept"] += out.get("accept", [])
+            entry["step_seconds"] += out.get("step_seconds", 0.0)
+            entry["gpu_seconds"] += out.get("gpu_seconds", 0.0)
+            line.append(f"{row.name} {len(out['tokens']) / out['seconds']:.1f}")
+        print(f"  prompt {i + 1}/{len(prompts)}: tok/s " + ", ".join(line), file=sys.stderr, flush=True)
+    return report
+
+
+def _generate(row, ids, max_new_tokens, eos) -> dict:
+    return row.generate(ids, max_new_tokens, eos) if isinstance(row, TransformersRow) else \
+        row.generate(ids, max_new_tokens)
+
+
+def summarize(report: dict, plain: str = "captured plain") -> list[dict]:
+    """Per row: tok/s, acceptance, idle share, identical outputs against the captured plain row."""
+    base = report.get(plain, {}).get("outputs")
+    best_plain = max((e["tokens"] / e["seconds"] for n, e in report.items()
+                      if e["error"] is None and e["seconds"] and "speculative" not in n), default=None)
+    rows = []
+    for name, e in report.items():
+        rate = e["tokens"] / e["seconds"] if e["seconds"] else None
+        rows.append({"row": name, "tokens_per_second": rate, "warmup_seconds": round(e["warmup_seconds"], 2),
+                     "mean_accept_length": sum(e["accept"]) / len(e["accept"]) if e["accept"] else None,
+                     "gpu_idle": 1 - e["gpu_seconds"] / e["step_seconds"] if e["gpu_seconds"] else None,
+                     "identical_to_captured_plain": (sum(a == b for a, b in zip(e["outputs"], base))
+                                                     if base is not None and e["outputs"] else None),
+                     "vs_fastest_plain": rate / best_plain if rate and best_plain else None,
+                     "error": e["error"]})
+    return rows
+
+
+def format_table(rows: list[dict], prompts: int) -> str:
+    head = f"{'row':<34}{'tok/s':>9}{'vs best plain':>15}{'accept':>8}{'GPU idle':>10}{'same':>7}{'warm-up s':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r["error"] is not None and r["tokens_per_second"] is None:
+            lines.append(f"{r['row']:<34}  failed: {r['error'][:200]}")
+            continue
+
+        def fmt(value, spec: str, width: int, suffix: str = "") -> str:
+            return (format(value, spec) + suffix if value is not None else "-").rjust(width)
+        same = f"{r['identical_to_captured_plain']}/{prompts}" if r["identical_to_captured_plain"] is not None else "-"
+        lines.append(f"{r['row']:<34}{fmt(r['tokens_per_second'], '.1f', 9)}{fmt(r['vs_fastest_plain'], '.2f', 15, 'x')}"
+                     f"{fmt(r['mean_accept_length'], '.2f', 8)}{fmt(r['gpu_idle'], '.1%', 10)}{same:>7}"
+                     f"{r['warmup_seconds']:>11.1f}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_trt.bench --device cuda", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one for smollm2)")
+    p.add_argument("--workloads", default="mtbench")
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="3,2,4;5,8,60", help="';'-separated depth,top_k,total_tokens: a captured "
+                   "speculative row each")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--streams", type=int, default=0, help="> 0: the captured rows also decode all prompts this "
+                   "many at a time")
+    p.add_argument("--capacity", type=int, default=0, help="rows per sequence of the static caches (0: the longest "
+                   "prompt + --max-new-tokens + the rows an iteration stages, rounded up to 256)")
+    p.add_argument("--compile", action="store_true", help="the captured rows' iterations torch.compile'd "
+                   "(inductor) before capture; compilation counts as warm-up")
+    p.add_argument("--onnx-dir", type=Path, default=None, help="graphs folder for the ONNX Runtime rows")
+    p.add_argument("--threads", type=int, default=0)
+    add_device_options(p)
+    p.add_argument("--out", type=Path, required=True, help="folder for device_bench.json")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        from .bench import parse_tree
+        shapes = [parse_tree(t) for t in args.tree.split(";") if t.strip()]
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        models = prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
+        f32 = models if dtype == "float32" and device.type == "cpu" else None
+        if "onnxruntime-cuda" in args.rows and f32 is None:     # the graphs are exported from fp32 CPU models
+            f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu")
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        prompts = [ids for w in names for ids in build(models.tokenizer, w, args.prompts)]
+        warm = build(models.tokenizer, "mtbench", args.prompts + 1)[-1]
+        longest = max(map(len, prompts + [warm])) + args.max_new_tokens
+        stage = max(s.total_tokens + s.depth for s in shapes) + 2
+        capacity = args.capacity or -(-(longest + stage) // 256) * 256
+        rows = make_rows(args, models, f32, shapes, device, dtype, capacity)
+    except (ConfigError, CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {dtype} on {name}; capacity {capacity}",
+          file=sys.stderr)
+    report = run(rows, prompts, warm, args.max_new_tokens, models.eos_ids)
+    summary = summarize(report)
+    streams = []
+    if args.streams:
+        for row in rows:
+            if isinstance(row, CapturedRow) and report[row.name]["error"] is None:
+                row.batch(prompts[:args.streams], args.max_new_tokens, args.streams)      # capture each batch size
+                out = row.batch(prompts, args.max_new_tokens, args.streams)
+                streams.append({"row": row.name, "streams": args.streams,
+                                "tokens_per_second": sum(map(len, out["tokens"])) / out["seconds"],
+                                "identical_to_one_stream": sum(a == b for a, b in
+                                                               zip(out["tokens"], report[row.name]["outputs"]))})
+    result = {"device": name, "dtype": dtype, "torch": torch.__version__, "prompts": len(prompts),
+              "workloads": names, "max_new_tokens": args.max_new_tokens, "capacity": capacity,
+              "trees": [[s.depth, s.top_k, s.total_tokens] for s in shapes], "rows": summary, "streams": streams}
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, {dtype} on {name}; 'same' = outputs "
+          f"identical to captured plain decoding")
+    print(format_table(summary, len(prompts)))
+    for s in streams:
+        print(f"{s['row']}, {s['streams']} streams: {s['tokens_per_second']:.1f} tok/s, "
+              f"{s['identical_to_one_stream']}/{len(prompts)} identical to one stream")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "device_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out / 'device_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

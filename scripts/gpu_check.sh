@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Does the captured (CUDA-graph) iteration make speculative decoding fast on a GPU? The GPU check
+# of the static-shape runtime (eagle_trt/runtime/static.py), as one prepared script that fits a
+# 15-minute device window in under 8 minutes:
+#   1. SmolLM2-135M-Instruct converted from the carried GGUF, the machine described;
+#   2. bf16: captured speculative decoding (trees 3,2,4 and 5,8,60) against captured plain decoding,
+#      transformers with a StaticCache (compiled) and transformers eager, 10 MT-bench prompts x 128
+#      tokens, then 8 streams at once (python -m eagle_trt.bench --device cuda);
+#   3. fp32: the same captured rows (speculative must equal plain decoding token for token), the
+#      exported graphs on ONNX Runtime's CUDA provider, transformers compiled;
+#   4. the captured rows with torch.compile (inductor) under the capture: warm-up and tok/s.
+# Each step has its own timeout and writes its log and JSON under $OUT (what the device tool
+# brings back); summary.txt collects every table.
+#
+#   on the GPU machine, after the carried parts (../shared/gpu/carry.sh calls):
+#     bash .device/kit/carry.sh unpack && PYTHONPATH=/root/ortsite:/root/site:$PWD bash scripts/gpu_check.sh
+#   dry run on a CPU (small sizes, no capture; checks the script and the code paths):
+#     DRY=1 OUT=/tmp/gpu-check bash scripts/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/root/cache} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-$(command -v python3 || command -v python)}
+if [ "${DRY:-0}" = 1 ]; then
+  DEV="--device cpu --threads 2"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4
+else
+  DEV="--device cuda"; PROMPTS=10; TOKENS=128; TREES="3,2,4;5,8,60"; STREAMS=8; SCALE=1
+fi
+BENCH="$PY -m eagle_trt.bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES"
+summary=$OUT/summary.txt
+: > "$summary"
+
+step() {   # step NAME SECONDS COMMAND...: run it with a timeout, its log in $OUT, its tail in the summary
+  local name=$1 limit=$(($2 * SCALE)); shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  { echo "== $name: exit $rc in $((SECONDS - start)) s (limit $limit s)"; tail -n 25 "$OUT/$name.log"; echo; } >> "$summary"
+  tail -n 25 "$OUT/$name.log"
+}
+
+step setup 150 "$PY" - <<'PYEOF'
+import os, sys, time, torch
+from pathlib import Path
+from eagle_trt.checkpoints import cache_dir, convert_gguf, smollm2_gguf
+folder = cache_dir() / "smollm2-135m-instruct"
+gguf = next(iter(sorted(Path("/root/stash").glob("*.gguf"))), None) if Path("/root/stash").is_dir() else None
+start = time.perf_counter()
+if not (folder / "config.json").is_file():
+    convert_gguf(gguf or smollm2_gguf(), folder)
+print(f"target in {folder} ({time.perf_counter() - start:.0f} s)")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}, {os.cpu_count()} cores")
+import onnxruntime as ort
+print(f"onnxruntime {ort.__version__} from {ort.__file__}: {ort.get_available_providers()}")
+PYEOF
+
+step bf16 270 $BENCH --dtype bfloat16 --streams $STREAMS \
+  --rows captured-plain,captured-speculative,transformers-compiled,transformers-eager --out "$OUT/bf16"
+step fp32 210 $BENCH --dtype float32 --streams $STREAMS \
+  --rows captured-plain,captured-speculative,onnxruntime-cuda,transformers-compiled --out "$OUT/fp32"
+step compiled 180 $BENCH --dtype bfloat16 --tree "${TREES%%;*}" --compile \
+  --rows captured-plain,captured-speculative --out "$OUT/compiled"
+echo "summary: $summary"
