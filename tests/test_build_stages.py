@@ -131,6 +131,20 @@ def test_a_stage_made_by_changed_code_is_made_again(tiny, tmp_path, monkeypatch)
     assert "quantize" in ran and not {"validate", "export"} & ran, statuses(m)
 
 
+def test_a_target_rewritten_in_place_is_exported_again(tmp_path):
+    """Same folder, same config, other weights (a checkpoint retrained or re-downloaded into its
+    folder): the validate stage's record of the checkpoint's content changes, so the graphs are
+    exported again instead of taken from the cache."""
+    target = write_tiny_target(tmp_path / "target", seed=1)
+    data = tiny_config(target, parity={"enabled": False}, outputs={"triton": False})
+    first = build(config_from_dict(data, "tiny.yaml"), tmp_path / "out", stages=["validate", "export"], log=None)
+    graph = sha256_file(first.artifact("export/target.onnx"))
+    write_tiny_target(tmp_path / "target", seed=2)
+    again = build(config_from_dict(data, "tiny.yaml"), tmp_path / "out", stages=["validate", "export"], log=None)
+    assert statuses(again)["export"] == "ran"
+    assert sha256_file(again.artifact("export/target.onnx")) != graph
+
+
 @pytest.mark.parametrize("change, reran", [
     ({"serving": {"max_tokens": 5}}, {"triton"}),
     ({"serving": {"drafter_weights": "float"}}, {"triton"}),

@@ -235,13 +235,19 @@ def test_trimmed_trees_keep_the_target_distribution(small_target, monkeypatch):
     assert p > 1e-3, f"trimmed trees' samples do not follow the target distribution (p = {p:.3g})"
 
 
-def test_sampling_is_lossless_per_sequence_inside_a_batch(small_target):
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_sampling_is_lossless_per_sequence_inside_a_batch(small_target, loop):
     """Two sampling settings and greedy requests interleaved in one continuously batched decoder
     (8 sequences at a time, each its own settings and seed): each setting's samples fit its exact
-    distribution, and every greedy sequence equals greedy decoding."""
+    distribution, and every greedy sequence equals greedy decoding. static: the fixed-shape
+    device loop (runtime/static.py), whose sampled sequences accept on the host between its
+    draft-and-verify and commit graphs."""
     settings = {"t1.0": CASES["t1.0"][0], "t0.6_k4": CASES["t0.6_k4"][0]}
     exact = {name: exact_joint(small_target, PROMPT, cfg) for name, cfg in settings.items()}
     dec = _decoder(small_target, _oracle(small_target))
+    if loop == "static":
+        from eagle_trt.runtime.static import StaticDecoder
+        dec = StaticDecoder(dec.target, dec.drafter, [], small_target.config.vocab_size, capacity=32)
     greedy = generate_autoregressive(TorchTarget(small_target.model), PROMPT, NEW, []).tokens
     requests, kinds = [], []
     for i in range(700):

@@ -334,6 +334,51 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
             stream.close()
 
 
+def test_torch_runtime_streams_the_offline_tokens(built, offline, tmp_path):
+    """serving.runtime torch: the repository carries the checkpoints and the model runs the
+    fixed-shape loop of runtime/static.py (on this CPU without capture), only the triton stage
+    built again; moved elsewhere, it streams the offline runtime's tokens one request at a time
+    and four at once."""
+    import json
+    import shutil
+
+    from eagle_trt.build import build, config_from_dict
+    cfg, m = built
+    root = m.artifact("triton").parent
+    out = tmp_path / "out"
+    shutil.copytree(root, out)
+    data = {"name": "serving", "tree": {"depth": 3, "top_k": 2, "total_tokens": 4},
+            "engines": {"profiles": {"verify": {"opt_tokens": 5, "max_tokens": 5}}}, "parity": {"enabled": False},
+            "serving": {"threads": 1, "max_tokens": NEW_TOKENS, "max_concurrent": 4, "runtime": "torch",
+                        "torch_device": "cpu", "capacity": 256}}
+    again = build(config_from_dict(data, "serving test, torch runtime"), out, log=None)
+    assert {s["name"]: s["status"] for s in again.data["stages"]}["triton"] == "ran"
+    moved = tmp_path / "moved"
+    shutil.move(str(again.artifact("triton")), moved)
+    settings = json.loads((moved / MODEL / "1" / "eagle.json").read_text())
+    assert settings["backend"] == "torch" and settings["max_context"] == 256 - (4 + 1) - (3 + 1) and not settings["graphs"]
+    assert (moved / MODEL / "1" / "target" / "model.safetensors").is_file()
+    with LocalTriton(moved) as server:
+        results = {}
+
+        def one(i):
+            stream = Stream(server)
+            try:
+                stream.send(text_request(offline["prompts"][i]))
+                results[i] = stream.collect(timeout=300)
+            finally:
+                stream.close()
+        one(0)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(1, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    for i in range(5):
+        pieces, _, error = results[i]
+        assert error is None and flat(pieces) == offline["tokens"][i], f"stream {i}"
+
+
 def test_local_triton_cli_stops_its_server_on_sigterm(built):
     """`python -m eagle_trt.build.local_triton` under SIGTERM (docker stop, systemd, kill) takes
     tritonserver down with it, as on Ctrl-C, so nothing keeps holding the ports."""

@@ -181,9 +181,17 @@ class ServingSection:
     # (export/iteration.py), one call for each iteration that drafts. auto: on (FP8 graphs
     # too, run with their own session settings: quant/run.py Fp8OrtIteration).
     iteration_graph: Literal["auto", "on", "off"] = "auto"
+    # What serves where there are no engines: ONNX Runtime in-process on the built graphs, or the
+    # PyTorch models (torch) with each iteration replayed as one CUDA graph per batch size
+    # (runtime/static.py: a GPU without TensorRT; on a CPU it runs without capture). torch puts
+    # the target and drafter checkpoints into the repository (hard links where it can).
+    runtime: Literal["onnxruntime", "torch"] = "onnxruntime"
+    torch_device: Literal["auto", "cpu", "cuda"] = "auto"          # torch runtime: where it runs
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: bf16 on CUDA, fp32 on a CPU
+    capacity: int = 2048           # torch runtime: rows a sequence holds (prompt, new tokens, an iteration's staging)
 
     def check(self, at: str, source: str) -> None:
-        _positive(self, ("max_tokens", "max_concurrent"), at, source)
+        _positive(self, ("max_tokens", "max_concurrent", "capacity"), at, source)
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.model_name):
             raise BuildConfigError(f"{source}: {at}.model_name: not a valid Triton model name: {self.model_name!r}")
 

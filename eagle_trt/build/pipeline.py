@@ -238,13 +238,15 @@ class Build:
                                            f"exceeds the target's context of {tcfg.max_position_embeddings} tokens "
                                            f"({tcfg.source}: max_position_embeddings)")
             in_output = drafter.is_relative_to(tmp)
+            # the checkpoints' content fingerprints are part of what later stages' keys read: a
+            # target or drafter rewritten in place makes its graphs again, not just this stage
             data = {"target": {"spec": cfg.target.source, "folder": str(folder.resolve()),
                                "num_layers": tcfg.num_hidden_layers, "hidden_size": tcfg.hidden_size,
                                "vocab_size": tcfg.vocab_size, "max_context": tcfg.max_position_embeddings,
-                               "eos_ids": list(tcfg.eos_token_ids)},
+                               "eos_ids": list(tcfg.eos_token_ids), "files": key["target_files"]},
                     "drafter": {"folder": str(self.path("validate", "drafter").resolve()) if in_output
                                 else str(drafter.resolve()), "label": label, "variant": dcfg.variant,
-                                "draft_vocab_size": dcfg.draft_vocab_size},
+                                "draft_vocab_size": dcfg.draft_vocab_size, "files": key["drafter_files"]},
                     "capture": capture, "tree": cfg.section("tree")}
             (tmp / "resolved.json").write_text(json.dumps(data, indent=2))
             self.say(f"  target {folder} ({tcfg.num_hidden_layers} layers); drafter {label} ({dcfg.variant}); "
@@ -394,8 +396,9 @@ class Build:
         cfg = self.cfg
         engines = self.results["engines"].status in ("ran", "cached")
         graphs = self.graphs_for("onnxruntime")
-        int8 = not engines and self.ort_drafter_int8
-        iteration = not engines and self.ort_iteration_graph
+        onnxruntime = not engines and cfg.serving.runtime == "onnxruntime"
+        int8 = onnxruntime and self.ort_drafter_int8
+        iteration = onnxruntime and self.ort_iteration_graph
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
                "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
                "iteration_graph": iteration and ITERATION_FORMAT,    # a new iteration format: composed again

@@ -90,6 +90,28 @@ def _link_graph(src: Path, folder: Path) -> Path:
     return folder / src.name
 
 
+def torch_runtime(version: Path, cfg: BuildConfig, resolved: dict) -> dict:
+    """serving.runtime torch: the target and drafter checkpoints linked into the repository
+    (target/, drafter/: their config, weights and tokenizer files) and the settings the model
+    runs them with; max_context is what the static caches hold (StaticDecoder.staged_rows)."""
+    from ..runtime.static import StaticDecoder
+    for role in ("target", "drafter"):
+        src = Path(resolved[role]["folder"])
+        files = [f for f in sorted(src.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors", ".model",
+                                                                                  ".txt", ".gguf")]
+        if not any(f.suffix in (".safetensors", ".gguf") for f in files):
+            raise FileNotFoundError(f"{src}: no weights (.safetensors) to serve the {role} with (serving.runtime: torch)")
+        for f in files:
+            _link(f, version / role / f.name)
+    staged = StaticDecoder.staged_rows(cfg.tree.shape)
+    if cfg.serving.capacity <= staged:
+        raise ValueError(f"serving.capacity {cfg.serving.capacity} leaves no room for a sequence: an iteration stages "
+                         f"{staged} rows")
+    return {"torch_device": cfg.serving.torch_device, "torch_dtype": cfg.serving.torch_dtype,
+            "capacity": cfg.serving.capacity, "capture": resolved["capture"],
+            "max_context": min(resolved["target"]["max_context"], cfg.serving.capacity - staged)}
+
+
 def _kv(graph: Path, layers_key: str) -> dict:
     import onnx
     dims = input_dims(graph)
@@ -133,13 +155,15 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 "max_tokens": cfg.serving.max_tokens, "max_concurrent": cfg.serving.max_concurrent,
                 "threads": cfg.serving.threads, "graphs": {}, "precision": precision,
                 "target_kv": _kv(graphs["target"], "past_key_0"), "drafter_kv": _kv(graphs["drafter_tree"], "past_key")}
-    if plans:
+    if not plans and cfg.serving.runtime == "torch":
+        settings.update(backend="torch", precision={}, **torch_runtime(version, cfg, resolved))
+    elif plans:
         settings.update(target_model=f"{name}_target", drafter_model=f"{name}_drafter")
         for graph, model, profiles in (("target", f"{name}_target", [0, 1]), ("drafter_tree", f"{name}_drafter", [0])):
             (out / model / "1").mkdir(parents=True)
             _link(plans[graph], out / model / "1" / "model.plan")
             (out / model / "config.pbtxt").write_text(plan_model_config(model, graphs[graph], profiles))
-    else:
+    if settings["backend"] == "onnxruntime":
         for graph, path in graphs.items():
             if graph == "drafter_tree" and drafter_int8:
                 path = version / "graphs" / f"{path.stem}.int8.onnx"
@@ -151,14 +175,15 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 _link_graph(path, version / "graphs")
             settings["graphs"][graph] = f"graphs/{path.name}"
         settings["precision"] = precision
-        if iteration_graph:
+        if iteration_graph and settings["backend"] == "onnxruntime":
             from ..export.iteration import compose_iteration
             served = {g: version / f for g, f in settings["graphs"].items()}
             path = version / "graphs" / "iteration.onnx"
             compose_iteration(served["target"], served["drafter_tree"], path, tensorrt=not drafter_int8)
             settings["graphs"]["iteration"] = f"graphs/{path.name}"
             progress.step("iteration graph (the drafter and target graphs in one)")
-    progress.step("tensorrt_plan models" if plans else "onnx graphs")
+    progress.step({"tensorrt": "tensorrt_plan models", "onnxruntime": "onnx graphs",
+                   "torch": "checkpoints for the torch runtime"}[settings["backend"]])
     import json
     (version / "eagle.json").write_text(json.dumps(settings, indent=2))
     progress.step("eagle.json")

@@ -12,7 +12,9 @@ response; the model keeps serving.
 
 Backends: "onnxruntime" runs the target and drafter-tree graphs in-process (OrtTarget /
 OrtDrafter); "tensorrt" calls the `<model>_target` / `<model>_drafter` tensorrt_plan models
-through BLS, keeping the KV caches here as torch tensors (on the GPU when there is one).
+through BLS, keeping the KV caches here as torch tensors (on the GPU when there is one);
+"torch" runs the checkpoints in the repository on the PyTorch backend's fixed-shape loop, each
+iteration one CUDA graph on a GPU (runtime/static.py, serving.runtime: torch).
 
 Continuous batching: `execute` validates each request and queues it; one scheduler thread runs
 the batched decoder (runtime/decoder.py), admitting queued requests into the running batch
@@ -129,6 +131,23 @@ class BlsDrafter(DrafterBackend):
 
 # ----------------------------------------------------------------------------- the model
 
+def torch_decoder(folder, s, shape):
+    """The torch runtime: the checkpoints in the repository on the PyTorch backend, every
+    iteration of the running batch one fixed-shape step, replayed as a CUDA graph on a GPU
+    (runtime/static.py); the whole tree is verified (a captured graph has one shape)."""
+    from eagle_trt.api import load_target_on
+    from eagle_trt.checkpoints import load_drafter
+    from eagle_trt.config import CaptureLayers
+    from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+    from eagle_trt.runtime.static import StaticDecoder
+    target = load_target_on(str(folder / "target"), s["torch_device"],
+                            None if s["torch_dtype"] == "auto" else s["torch_dtype"])
+    drafter = load_drafter(folder / "drafter", target)
+    target.model.set_capture(CaptureLayers(tuple(s["capture"]["layer_ids"]), s["capture"]["convention"]))
+    return StaticDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), s["eos_ids"], s["vocab_size"],
+                         max_batch=s["max_concurrent"], capacity=s["capacity"])
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -142,7 +161,9 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
         shape = TreeShape(*s["tree"])
         iteration = None
-        if s["backend"] == "tensorrt":
+        if s["backend"] == "torch":
+            self.decoder = torch_decoder(folder, s, shape)
+        elif s["backend"] == "tensorrt":
             device = "cuda" if torch.cuda.is_available() else "cpu"
             target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
         else:
@@ -157,11 +178,12 @@ class TritonPythonModel:
             if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
                 iteration = (Fp8OrtIteration if any(fp8.values()) else OrtIteration)(
                     folder / s["graphs"]["iteration"], target, drafter, threads)
-        # One running batch per model instance: requests join it between iterations and leave it
-        # when done; the cost model decides per iteration how much of each draft tree to verify.
-        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
-        self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost,
-                                          iteration=iteration)
+        if s["backend"] != "torch":
+            # One running batch per model instance: requests join it between iterations and leave
+            # it when done; the cost model decides per iteration how much of each tree to verify.
+            cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
+            self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost,
+                                              iteration=iteration)
         self.incoming = queue.Queue()
         self.waiting_logged = 0
         self.stopping = threading.Event()

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..config import ConfigError, SamplingConfig
+from ..config import ConfigError, SamplingConfig, TreeShape
 from ..models.target import causal_mask
 from ..tree import DraftTree, draft_trees
 from ..verify import accept_greedy_batch, accept_sampled, sample_token
@@ -136,7 +136,7 @@ class StaticDecoder(DecodingLoop):
         self.shape = drafter.shape if drafter is not None else None
         self.nodes = self.shape.total_tokens if drafter is not None else 0
         self.rows = min(self.shape.depth, self.nodes) + 1 if drafter is not None else 1   # R: a path's rows at most
-        staged = self.nodes + 1 + self.rows     # rows past a sequence's end an iteration writes (target, drafter)
+        staged = self.staged_rows(self.shape)
         self.max_context = min(target.max_context, capacity - staged)
         if self.max_context < 1:
             raise ConfigError(f"capacity {capacity} leaves no room for a sequence: an iteration stages {staged} rows")
@@ -159,6 +159,13 @@ class StaticDecoder(DecodingLoop):
         self.accepted_in = torch.zeros(max_batch, 2 * T + 1, **i64)   # [path | length | tokens] per sequence
         self.verified: dict[int, dict] = {}   # batch size -> the verification outputs the commit reads
         self.step_seconds = 0.0               # wall time inside step(): with Replayer.gpu_seconds, the GPU's idle share
+
+    @staticmethod
+    def staged_rows(shape: TreeShape | None) -> int:
+        """Rows past a sequence's end an iteration writes: the verified rows and the hand-off."""
+        if shape is None:
+            return 2
+        return shape.total_tokens + 1 + min(shape.depth, shape.total_tokens) + 1
 
     # ---- fixed-shape device functions, one CUDA graph each per batch size ----
 
