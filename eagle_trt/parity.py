@@ -320,7 +320,10 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
 
 # ----------------------------------------------------------------------------- checking
 
-def parity_session(graph: str | Path, dtype: str = "float32"):
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "cpu"):
     """An ONNX Runtime CPU session that leaves the weights where they are: without prepacking,
     a graph's external weights stay memory-mapped from its data file (page cache, reclaimable)
     instead of being copied into packed buffers (one more copy of a real-size target's weights
@@ -328,9 +331,13 @@ def parity_session(graph: str | Path, dtype: str = "float32"):
     are fed as inputs (WeightsFed): the CPU has no fp16 MatMul, and ONNX Runtime turns float16
     *initializers* into float32 copies when it loads the graph (an FP8-on-fp16 build of a 0.83 B
     target peaked at 1.89x its fp32 weights there), while a float16 *input* is cast when its node
-    runs. A parity run makes a handful of calls; their speed does not matter."""
+    runs. A parity run makes a handful of calls; their speed does not matter. provider 'cuda':
+    ONNX Runtime's CUDA execution provider (onnxruntime-gpu), the graph as it is."""
     import onnxruntime as ort
     so = ort.SessionOptions()
+    if provider != "cpu":
+        from .runtime.onnxruntime_backend import make_session
+        return make_session(graph, providers=PROVIDERS[provider], level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
     so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = 3
     if dtype == "float16":
@@ -424,14 +431,14 @@ def walk_acceptance(best: np.ndarray, ids: np.ndarray, tree_mask: np.ndarray) ->
     return path_out, length_out, np.take_along_axis(best, path_out, 1).astype(np.int64)
 
 
-def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
+def check_case(case: GraphCase, bundle_dir: Path | None = None, provider: str = "cpu") -> GraphReport:
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator, IterationResult, RunResults, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     start = time.perf_counter()
-    runner = OnnxrtRunner(parity_session(case.graph, case.dtype), name="onnxruntime")
+    runner = OnnxrtRunner(parity_session(case.graph, case.dtype, provider), name="onnxruntime")
     ort_results = Comparator.run([runner], data_loader=case.feeds)
     ort_iters = list(ort_results.values())[0]
     expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r
@@ -518,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2, help="real MT-bench prompts to use as inputs")
     p.add_argument("--iteration-graph", action="store_true",
                    help="also compose and check the iteration graph (export/iteration.py: both graphs in one)")
+    p.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu",
+                   help="ONNX Runtime's execution provider the graphs run on (cuda: onnxruntime-gpu's)")
     args = p.parse_args(argv)
     try:
         shape = TreeShape(args.depth, args.tree_top_k, args.total_tokens).validate()
@@ -526,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         graphs = export_pipeline(models, shape, out / "graphs", args.dtype, step_graphs=True, log=sys.stderr)
         if args.iteration_graph:
             graphs.update(export_pipeline(models, shape, out / "graphs", args.dtype, log=sys.stderr, only=("iteration",)))
-        reports = run_parity(models, shape, graphs, args.dtype, args.prompts, out / "bundles")
+        reports = run_parity(models, shape, graphs, args.dtype, args.prompts, out / "bundles", args.provider)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -539,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, num_prompts: int,
-               bundle_dir: Path | None) -> list[GraphReport]:
+               bundle_dir: Path | None, provider: str = "cpu") -> list[GraphReport]:
     from .api import real_prompt_ids
     prompts = real_prompt_ids(models, num_prompts)
     target = models.target.model.to(torch.float32 if dtype == "float32" else torch.float16)
@@ -551,7 +560,7 @@ def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, nu
     if "iteration" in graphs:
         cases.append(iteration_case(target, drafter, shape, graphs["iteration"], dtype,
                                     [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
-    return [check_case(c, bundle_dir) for c in cases]
+    return [check_case(c, bundle_dir, provider) for c in cases]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@
 #   2. bf16: captured speculative decoding (trees 3,2,4 and 5,8,60) against captured plain decoding,
 #      transformers with a StaticCache (compiled) and transformers eager, 10 MT-bench prompts x 128
 #      tokens, then 8 streams at once (python -m eagle_trt.bench --device cuda);
-#   3. fp32: the same captured rows (speculative must equal plain decoding token for token), the
-#      exported graphs on ONNX Runtime's CUDA provider, transformers compiled;
-#   4. the captured rows with torch.compile (inductor) under the capture: warm-up and tok/s.
+#   3. parity of the exported fp32 graphs (target, drafter tree, iteration) on ONNX Runtime's CUDA
+#      provider against PyTorch, output by output (python -m eagle_trt.parity --provider cuda);
+#   4. fp32: the same captured rows (speculative must equal plain decoding token for token) and
+#      the graphs decoding on ONNX Runtime's CUDA provider;
+#   5. the captured rows with torch.compile (inductor) under the capture: warm-up and tok/s.
 # Each step has its own timeout and writes its log and JSON under $OUT (what the device tool
 # brings back); summary.txt collects every table.
 #
@@ -19,13 +21,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
-export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/root/cache} PYTHONUNBUFFERED=1
+if [ "${DRY:-0}" = 1 ]; then CACHE=$HOME/.cache/eagle_trt; else CACHE=/root/cache; fi
+export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-$CACHE} PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-$(command -v python3 || command -v python)}
 if [ "${DRY:-0}" = 1 ]; then
-  DEV="--device cpu --threads 2"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4
+  DEV="--device cpu --threads 2"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4; PROVIDER=cpu
 else
-  DEV="--device cuda"; PROMPTS=10; TOKENS=128; TREES="3,2,4;5,8,60"; STREAMS=8; SCALE=1
+  DEV="--device cuda"; PROMPTS=10; TOKENS=128; TREES="3,2,4;5,8,60"; STREAMS=8; SCALE=1; PROVIDER=cuda
 fi
 BENCH="$PY -m eagle_trt.bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES"
 summary=$OUT/summary.txt
@@ -56,10 +59,16 @@ import onnxruntime as ort
 print(f"onnxruntime {ort.__version__} from {ort.__file__}: {ort.get_available_providers()}")
 PYEOF
 
-step bf16 270 $BENCH --dtype bfloat16 --streams $STREAMS \
+step bf16 240 $BENCH --dtype bfloat16 --streams $STREAMS \
   --rows captured-plain,captured-speculative,transformers-compiled,transformers-eager --out "$OUT/bf16"
-step fp32 210 $BENCH --dtype float32 --streams $STREAMS \
-  --rows captured-plain,captured-speculative,onnxruntime-cuda,transformers-compiled --out "$OUT/fp32"
-step compiled 180 $BENCH --dtype bfloat16 --tree "${TREES%%;*}" --compile \
+# the exported fp32 graphs on ONNX Runtime's CUDA provider against PyTorch, output by output
+# (tree 3,2,4; the graphs stay in $GRAPHS for the fp32 bench's ONNX Runtime rows)
+GRAPHS=$EAGLE_TRT_CACHE/parity-$PROVIDER
+step parity 150 "$PY" -m eagle_trt.parity --provider "$PROVIDER" --iteration-graph --prompts 2 \
+  --depth 3 --tree-top-k 2 --total-tokens 4 --out "$GRAPHS"
+step fp32 180 $BENCH --dtype float32 --streams $STREAMS --onnx-dir "$GRAPHS/graphs" \
+  --rows captured-plain,captured-speculative,onnxruntime-cuda --out "$OUT/fp32"
+[ "${DRY:-0}" = 1 ] && { echo "== compiled: skipped in the dry run (inductor on 2 CPU cores takes many minutes)" >> "$summary"; } ||
+step compiled 150 $BENCH --dtype bfloat16 --tree "${TREES%%;*}" --compile \
   --rows captured-plain,captured-speculative --out "$OUT/compiled"
 echo "summary: $summary"
