@@ -158,3 +158,48 @@ def test_static_decoder_with_the_shipped_drafter_equals_transformers(smollm2, mt
     plain = _static(smollm2, None, TreeShape(3, 2, 4), eos, capacity=256)
     results = plain.generate_batch([Request(ids, NEW_TOKENS) for ids in mtbench_ids[:8]], max_batch=8)
     assert [r.tokens for r in results] == hf_greedy[:8]
+
+
+class PlantedStatic(StaticDecoder):
+    """The static loop with conftest.PlantedDrafter's trick inside its iteration (eager, on the
+    CPU): after the real drafter builds each tree, one root-to-leaf path (up to a random depth,
+    through the first or second child) carries the sequence's known greedy continuation, so
+    drafts are accepted deep and the device-side commit and hand-off run on long paths."""
+
+    def __init__(self, *args, continuations: dict[int, list[int]], seed: int = 0, **kwargs):
+        import random
+        super().__init__(*args, **kwargs)
+        self.continuations, self.rng = continuations, random.Random(seed)
+
+    def _draft(self, B):
+        import dataclasses
+        tree = super()._draft(B)
+        tokens = tree.tokens.clone()
+        for i, seq in enumerate(self.active[:B]):
+            continuation = self.continuations[id(seq.request)]
+            done = int(self.lengths[i]) - len(seq.request.prompt_ids) + 1      # generated, the root included
+            parents, node = tree.parents[i].tolist(), 0
+            for depth in range(self.rng.randint(0, self.shape.depth)):
+                children = [c for c, p in enumerate(parents) if p == node]
+                if not children or done + depth >= len(continuation):
+                    break
+                node = self.rng.choice(children[:2])
+                tokens[i, node - 1] = continuation[done + depth]
+        return dataclasses.replace(tree, tokens=tokens)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_static_loop_with_planted_paths_equals_greedy(setup, batch):
+    """A random (untrained) drafter with planted paths: every prompt's greedy tokens, alone and 8
+    at a time, with drafts accepted up to the tree's full depth."""
+    target, drafters, prompts, references = setup
+    shape = TreeShape(depth=5, top_k=3, total_tokens=12)
+    target.model.set_capture(drafters["random"].cfg.capture_for(target.config))
+    requests = [Request(p, n) for p, n in zip(prompts, LIMITS)]
+    dec = PlantedStatic(TorchTarget(target.model), TorchDrafter(drafters["random"], shape), [],
+                        target.config.vocab_size, max_batch=batch, capacity=160,
+                        continuations={id(r): ref for r, ref in zip(requests, references)})
+    results = dec.generate_batch(requests, max_batch=batch)
+    assert [r.tokens for r in results] == references
+    accepted = [a for r in results for a in r.accept_lengths]
+    assert max(accepted) == shape.depth + 1 and sum(accepted) / len(accepted) > 2.0, "planted paths not accepted"
