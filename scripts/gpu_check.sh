@@ -5,7 +5,7 @@
 #   1. SmolLM2-135M-Instruct converted from the carried GGUF, the machine described;
 #   2. bf16: captured speculative decoding (trees 3,2,4 and 5,8,60) against captured plain decoding,
 #      transformers with a StaticCache (compiled) and transformers eager, 10 MT-bench prompts x 128
-#      tokens, then 8 streams at once (python -m eagle_trt.bench --device cuda);
+#      tokens, then 8 streams at once (eagle_trt.device_bench: what `bench --device cuda` runs);
 #   3. parity of the exported fp32 graphs (target, drafter tree, iteration) on ONNX Runtime's CUDA
 #      provider against PyTorch, output by output (python -m eagle_trt.parity --provider cuda);
 #   4. fp32: the same captured rows (speculative must equal plain decoding token for token) and
@@ -24,13 +24,13 @@ mkdir -p "$OUT"
 if [ "${DRY:-0}" = 1 ]; then CACHE=$HOME/.cache/eagle_trt; else CACHE=/root/cache; fi
 export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-$CACHE} PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-$(command -v python3 || command -v python)}
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}   # the venv here, the image's python there
 if [ "${DRY:-0}" = 1 ]; then
   DEV="--device cpu --threads 2"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4; PROVIDER=cpu
 else
   DEV="--device cuda"; PROMPTS=10; TOKENS=128; TREES="3,2,4;5,8,60"; STREAMS=8; SCALE=1; PROVIDER=cuda
 fi
-BENCH="$PY -m eagle_trt.bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES"
+BENCH="$PY -m eagle_trt.device_bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES"
 summary=$OUT/summary.txt
 : > "$summary"
 
