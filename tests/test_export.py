@@ -101,10 +101,7 @@ def test_parity_catches_a_wrong_acceptance_exported_into_the_graph(exported, tmp
     monkeypatch.undo()
     report = check_case(target_case(target.model, wrong, "float32", [list(range(3, 40))], SHAPE, drafter))
     failed = {o.output for o in report.outputs if not o.passed}
-    assert failed == {"accept_length"}, failed
-    right = check_case(target_case(target.model, exported[2]["target"], "float32", [list(range(3, 40))], SHAPE,
-                                   drafter))
-    assert right.passed
+    assert failed == {"accept_length"}, failed     # the right graph passes: test_graphs_match_pytorch_through_polygraphy
 
 
 @pytest.mark.parametrize("acceptance", ["host", "graph"])

@@ -138,8 +138,8 @@ def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
 @pytest.mark.slow
 def test_static_decoder_with_the_shipped_drafter_equals_transformers(smollm2, mtbench_ids, hf_greedy):
     """SmolLM2 and the shipped EAGLE 3.1 drafter on the static path: transformers' greedy tokens
-    on real MT-bench prompts, 3 one at a time and all 20 continuously batched 8 at a time; plain
-    static decoding too (8 prompts, batched). Capacity 256 holds the longest prompt (138 tokens)
+    on real MT-bench prompts, 2 one at a time and 12 continuously batched 8 at a time (joins into
+    freed slots); plain static decoding too (8 prompts, batched). Capacity 256 holds the longest prompt (138 tokens)
     and its 64 new ones."""
     from conftest import NEW_TOKENS
     from eagle_trt.api import SHIPPED_DRAFTERS
@@ -148,13 +148,13 @@ def test_static_decoder_with_the_shipped_drafter_equals_transformers(smollm2, mt
     eos = smollm2.config.eos_token_ids
     dec = _static(smollm2, drafter, TreeShape(3, 2, 4), eos, capacity=256)
     accepted = []
-    for i, (ids, ref) in enumerate(zip(mtbench_ids[:3], hf_greedy)):
+    for i, (ids, ref) in enumerate(zip(mtbench_ids[:2], hf_greedy)):
         res = dec.generate(ids, NEW_TOKENS)
         assert res.tokens == ref, f"prompt {i}: the static path diverges from transformers"
         accepted += res.accept_lengths
     assert sum(accepted) / len(accepted) > 1.8 and max(accepted) == 4, "the shipped drafter's drafts were not accepted"
-    results = dec.generate_batch([Request(ids, NEW_TOKENS) for ids in mtbench_ids], max_batch=8)
-    assert [r.tokens for r in results] == hf_greedy[:len(mtbench_ids)]
+    results = dec.generate_batch([Request(ids, NEW_TOKENS) for ids in mtbench_ids[:12]], max_batch=8)
+    assert [r.tokens for r in results] == hf_greedy[:12]
     plain = _static(smollm2, None, TreeShape(3, 2, 4), eos, capacity=256)
     results = plain.generate_batch([Request(ids, NEW_TOKENS) for ids in mtbench_ids[:8]], max_batch=8)
     assert [r.tokens for r in results] == hf_greedy[:8]
