@@ -253,6 +253,8 @@ class StaticDecoder(DecodingLoop):
                        request.submitted or time.perf_counter())
         prompt, n, dev = request.prompt_ids, len(request.prompt_ids), self.device
         slot = self.tkv.add()
+        if self.drafter is not None:
+            self.dkv.add()          # the same slot: the two caches take and free slots together
         L = self.model.cfg.num_hidden_layers
         empty = [self.tkv.k[i, slot:slot + 1, :, :0] for i in range(L)]
         out = self.model(torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None],
@@ -276,7 +278,6 @@ class StaticDecoder(DecodingLoop):
         is the first hand-off, paired with the first generated token."""
         drafter, dev = self.drafter.model, self.device
         n = len(next_ids) - 1
-        assert self.dkv.add() == slot
         if n:
             empty = self.dkv.k[0, slot:slot + 1, :, :0]
             out = drafter(drafter.project(captured[None, :n].to(drafter.fc.weight.dtype)),
