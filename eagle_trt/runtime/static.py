@@ -57,13 +57,17 @@ class Replayer:
     Elsewhere, or with capture off, the functions run as they are. compile: torch.compile each
     function (fullgraph: a graph break would be a host sync a capture cannot hold)."""
 
-    def __init__(self, device: torch.device, capture: str = "auto", compile: bool = False, backend="inductor"):
+    def __init__(self, device: torch.device, capture: str = "auto", compile: bool = False, backend="inductor",
+                 max_batch: int = 8):
         if capture not in CAPTURE_MODES:
             raise ConfigError(f"capture={capture!r}: expected one of {', '.join(CAPTURE_MODES)}")
         if capture == "cuda-graph" and device.type != "cuda":
             raise ConfigError(f"capture=cuda-graph needs a CUDA device; the models are on {device}")
         self.capture = device.type == "cuda" and capture != "off"
         self.compile, self.backend = compile, backend
+        if compile:   # one compilation per batch size of each function (dynamo's default limit is 8)
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_batch + 1)
         self.graphs: dict = {}         # key -> (CUDAGraph, its outputs); None: warmed up, not captured yet
         self.compiled: dict = {}
         self.warmup_seconds = 0.0      # eager warm-up, compilation and capture, apart from decoding
@@ -140,7 +144,7 @@ class StaticDecoder(DecodingLoop):
         self.max_context = min(target.max_context, capacity - staged)
         if self.max_context < 1:
             raise ConfigError(f"capacity {capacity} leaves no room for a sequence: an iteration stages {staged} rows")
-        self.replayer = Replayer(self.device, capture, compile, compile_backend)
+        self.replayer = Replayer(self.device, capture, compile, compile_backend, max_batch)
         dev, i64 = self.device, dict(dtype=torch.int64, device=self.device)
         self.tkv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, dev,
                            batch=max_batch, fixed=True)
