@@ -27,13 +27,10 @@ from safetensors.torch import load_file, save_file
 from .config import ConfigError, DrafterConfig, TargetConfig, read_json
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget
+from .tensor_files import CheckpointError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not fit its partner model."""
 
 
 def cache_dir() -> Path:
@@ -126,15 +123,14 @@ def _file_namer(origin: dict[str, str]):
     return file_name
 
 
-def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
-               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
-    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
-    the file names it (`origin`: module name -> file name, from rename_tensors). assign=True
-    makes the tensors the module's own (no copy; for a module built with parameters_on_meta)."""
+def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path,
+                 optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
+    """Every expected tensor found with its shape and nothing more (both {module name: shape}),
+    naming every missing, unexpected or mis-shaped tensor as the file names it (`origin`:
+    module name -> file name, from rename_tensors)."""
     file_name = _file_namer(origin) if origin else (lambda name: name)
-    expected = {k: v for k, v in module.state_dict().items()}
-    missing = sorted(file_name(k) for k in expected if k not in tensors and k not in optional)
-    extra = sorted(file_name(k) for k in tensors if k not in expected)
+    missing = sorted(file_name(k) for k in expected if k not in found and k not in optional)
+    extra = sorted(file_name(k) for k in found if k not in expected)
     if missing or extra:
         parts = []
         if missing:
@@ -142,10 +138,19 @@ def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source
         if extra:
             parts.append(f"unexpected tensors {extra}")
         raise CheckpointError(f"{source}: " + "; ".join(parts))
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(value.shape)}, "
-                                  f"the config implies {tuple(expected[name].shape)}")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(shape)}, "
+                                  f"the config implies {tuple(expected[name])}")
+
+
+def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
+    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
+    the file names it (check_shapes). assign=True makes the tensors the module's own (no copy;
+    for a module built with parameters_on_meta)."""
+    check_shapes({k: tuple(v.shape) for k, v in module.state_dict().items()},
+                 {k: tuple(v.shape) for k, v in tensors.items()}, source, optional, origin)
     module.load_state_dict(tensors, strict=False, assign=assign)
 
 

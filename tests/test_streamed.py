@@ -1,0 +1,129 @@
+"""The target read part by part from its checkpoint files (models/streamed.py, tensor_files.py):
+the same outputs as the loaded model, bit for bit, and bad checkpoint files named."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import write_tiny_hf_target
+
+from eagle_trt.checkpoints import CheckpointError, load_target
+from eagle_trt.models.streamed import StreamedTarget, TargetCall
+from eagle_trt.models.target import causal_mask
+from eagle_trt.tensor_files import TensorFiles
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A tiny Llama in several safetensors shards with an index, as transformers writes large models."""
+    import transformers
+    folder = tmp_path_factory.mktemp("sharded")
+    write_tiny_hf_target(folder / "single", layers=3)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder / "single"))
+    model.save_pretrained(str(folder / "target"), max_shard_size="40KB")
+    assert (folder / "target" / "model.safetensors.index.json").is_file()
+    return folder / "target"
+
+
+def calls_for(cfg, gen) -> list[TargetCall]:
+    """A prefill, and a tree-like call after a past of 4 rows with a hole in its mask."""
+    shape = (1, cfg.num_key_value_heads, 0, cfg.head_dim)
+    empty = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+    past = [torch.randn(1, cfg.num_key_value_heads, 4, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
+    mask = causal_mask(3, 4).clone()
+    mask[0, 2, 5] = False
+    return [TargetCall(torch.randint(0, cfg.vocab_size, (1, 6), generator=gen), torch.arange(6)[None],
+                       causal_mask(6, 0), empty, list(empty)),
+            TargetCall(torch.randint(0, cfg.vocab_size, (1, 3), generator=gen), torch.arange(4, 7)[None], mask,
+                       past, [p.flip(2) for p in past], torch.tensor([0, 2]))]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_part_by_part_outputs_are_the_loaded_models_bit_for_bit(tmp_path, tie):
+    folder = write_tiny_hf_target(tmp_path / "t", layers=4, tie=tie)
+    loaded = load_target(folder)
+    streamed = StreamedTarget(folder)
+    calls = calls_for(loaded.config, torch.Generator().manual_seed(0))
+    got = streamed.forward_many(calls)
+    for call, out in zip(calls, got):
+        with torch.no_grad():
+            want = loaded.model(call.input_ids, call.position_ids, call.attention_mask, call.past_k, call.past_v,
+                                call.logits_index)
+        assert torch.equal(out.logits, want.logits) and torch.equal(out.captured, want.captured)
+        assert all(torch.equal(a, b) for a, b in zip(out.new_k + out.new_v, want.new_k + want.new_v))
+    # nothing stays loaded: every parameter is on the meta device again
+    assert all(p.is_meta for p in streamed.model.parameters())
+
+
+def test_shards_are_read_through_the_index(sharded):
+    files = TensorFiles(sharded)
+    assert len({e.file for e in files.entries.values()}) > 1
+    loaded, streamed = load_target(sharded), StreamedTarget(sharded)
+    call = calls_for(loaded.config, torch.Generator().manual_seed(1))[0]
+    with torch.no_grad():
+        want = loaded.model(call.input_ids, call.position_ids, call.attention_mask, call.past_k, call.past_v)
+    assert torch.equal(streamed.forward_many([call])[0].logits, want.logits)
+
+
+def test_a_missing_shard_is_named(sharded, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard}: shard listed in model.safetensors.index.json is missing"):
+        StreamedTarget(broken)
+
+
+def test_a_truncated_shard_is_named_with_the_tensor_it_cuts(sharded, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 10)
+    with pytest.raises(CheckpointError, match=rf"{shard}: truncated: tensor '[\w.]+' needs bytes up to \d+, the file has"):
+        StreamedTarget(broken)
+    with open(shard, "r+b") as f:          # cut inside the header: not mistaken for an empty shard
+        f.truncate(20)
+    with pytest.raises(CheckpointError, match=f"{shard}: not a readable safetensors file"):
+        TensorFiles(broken)
+
+
+def test_a_tensor_missing_from_the_checkpoint_is_named_as_the_file_names_it(sharded, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded, broken)
+    index = broken / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    index.write_text(json.dumps(data))
+    # the shard still holds it: unexpected is fine for the reader; the target misses nothing it reads
+    files = TensorFiles(broken)
+    assert "model.layers.1.mlp.up_proj.weight" in files.entries
+    shard = broken / json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.1.mlp.up_proj.weight"]
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        StreamedTarget(broken)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_graph_exported_from_the_files_is_the_one_exported_from_the_loaded_model(tmp_path, monkeypatch, tie):
+    import onnx
+    from onnx import numpy_helper
+    from eagle_trt.export import export_target
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "20000")      # weights in a data file, as at 8B
+    folder = write_tiny_hf_target(tmp_path / "t", layers=2, tie=tie)
+    export_target(load_target(folder).model, tmp_path / "loaded" / "target.onnx", "float16")
+    export_target(StreamedTarget(folder), tmp_path / "streamed" / "target.onnx", "float16")
+    graphs = [onnx.load(str(tmp_path / d / "target.onnx")) for d in ("loaded", "streamed")]
+    assert (tmp_path / "streamed" / "target.onnx.data").is_file()
+    assert [n.op_type for n in graphs[0].graph.node] == [n.op_type for n in graphs[1].graph.node]
+    weights = [{i.name: numpy_helper.to_array(i) for i in g.graph.initializer} for g in graphs]
+    assert weights[0].keys() == weights[1].keys() and len(weights[0]) > 10
+    assert all(weights[0][k].tobytes() == weights[1][k].tobytes() for k in weights[0])
