@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import write_tiny_hf_target
@@ -127,3 +128,64 @@ def test_the_graph_exported_from_the_files_is_the_one_exported_from_the_loaded_m
     weights = [{i.name: numpy_helper.to_array(i) for i in g.graph.initializer} for g in graphs]
     assert weights[0].keys() == weights[1].keys() and len(weights[0]) > 10
     assert all(weights[0][k].tobytes() == weights[1][k].tobytes() for k in weights[0])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target loaded and read part by part, and a random drafter fitted to it."""
+    from eagle_trt.checkpoints import random_drafter
+    folder = write_tiny_hf_target(tmp_path_factory.mktemp("pair") / "t", layers=3)
+    loaded = load_target(folder)
+    drafter = random_drafter(loaded, "eagle3.1", draft_vocab_size=48)
+    loaded.model.set_capture(drafter.cfg.capture_for(loaded.config))
+    streamed = StreamedTarget(folder)
+    streamed.set_capture(drafter.cfg.capture_for(loaded.config))
+    return loaded, streamed, drafter
+
+
+def test_parity_references_part_by_part_are_the_loaded_models(pair, tmp_path):
+    from eagle_trt.config import TreeShape
+    from eagle_trt.parity import iteration_case, target_case
+    loaded, streamed, drafter = pair
+    shape = TreeShape(3, 2, 4)
+    prompts = [list(range(3, 20)), list(range(30, 41))]
+    cases = [target_case(m, tmp_path / "t.onnx", "float32", prompts, shape, drafter) for m in (loaded.model, streamed)]
+    assert cases[0].labels == cases[1].labels and len(cases[0].labels) == 6
+    for want, got in zip(cases[0].reference, cases[1].reference):
+        assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    real = [(c, p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(cases[0].reference[1::2], prompts)]
+    its = [iteration_case(m, drafter, shape, tmp_path / "i.onnx", "float32", real) for m in (loaded.model, streamed)]
+    for want, got in zip(its[0].reference, its[1].reference):
+        assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_calibration_and_the_fake_quant_check_part_by_part_are_the_loaded_models(pair, tmp_path):
+    from eagle_trt.config import TreeShape
+    from eagle_trt.export import export_target
+    from eagle_trt.parity import _target_feed, target_outputs
+    from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, layer_parity, linear_paths,
+                                 quantize_onnx, quantized_copy)
+    loaded, streamed, drafter = pair
+    prompts = [list(range(3, 20)), list(range(30, 41))]
+    amax = calibrate_target(loaded.model, prompts)
+    parts = []
+    assert calibrate_target(streamed, prompts, lambda: parts.append(1)) == amax
+    assert len(parts) == 3 + 2          # embedding, each layer, the head
+    shape = TreeShape(3, 2, 4)
+    assert calibrate_drafter(drafter, streamed, prompts, shape) == calibrate_drafter(drafter, loaded.model, prompts, shape)
+
+    cfg = QuantConfig("fp8")
+    graph = tmp_path / "target.fp8.onnx"
+    quantize_onnx(export_target(streamed, tmp_path / "target.onnx").path, graph, cfg, amax, linear_paths(loaded.model))
+    reference, _ = quantized_copy(loaded.model, cfg, amax)
+    fake_quant = streamed.with_dtype(torch.float32)
+    fake_quant.fake_quant = (cfg, amax, "test")
+    L = loaded.config.num_hidden_layers
+    empty = [(torch.zeros(1, loaded.config.num_key_value_heads, 0, loaded.config.head_dim),) * 2] * L
+    feed = _target_feed(torch.tensor([prompts[0]]), torch.arange(17)[None], causal_mask(17, 0), empty)
+    want, got = (layer_parity(str(graph), r, feed) for r in (reference, fake_quant))
+    assert [(r.node, r.module, r.rel_l2) for r in got] == [(r.node, r.module, r.rel_l2) for r in want]
+    assert len(got) == 7 * L and max(r.rel_l2 for r in got) < 1e-4
+    outs = [target_outputs(r, [feed])[0] for r in (reference, fake_quant)]
+    assert all(np.array_equal(outs[0][k], outs[1][k]) for k in outs[0])
+    assert all(p.is_meta for p in fake_quant.model.parameters())    # the QuantLinears went with their parts

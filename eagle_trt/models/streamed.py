@@ -144,15 +144,24 @@ class StreamedTarget:
         """The parts in forward order, each a tuple of module names loaded together."""
         return [("embed_tokens",)] + [(f"layers.{i}",) for i in range(self.num_layers)] + [("norm", "lm_head")]
 
+    @property
+    def cfg(self) -> TargetConfig:       # as LlamaTarget.cfg
+        return self.config
+
+    def tokenizer(self):
+        from ..checkpoints import LoadedTarget
+        return LoadedTarget(self.model, self.config, self.folder).tokenizer()
+
     def linear_paths(self) -> list[str]:
         return [name for name, m in self.model.named_modules() if isinstance(m, nn.Linear)]
 
     # ------------------------------------------------------------------ forward, part by part
 
-    def forward_many(self, calls: list[TargetCall], keep_kv: bool = True,
-                     on_part: Callable[[str], None] | None = None) -> list[TargetOutput]:
+    def forward_many(self, calls: list[TargetCall], keep_kv: bool = True, keep_outputs: bool = True,
+                     on_part: Callable[[str], None] | None = None) -> list[TargetOutput | None]:
         """LlamaTarget.forward of every call, computed part by part (module docstring). keep_kv
-        False: the new KV rows are dropped as they are made (calibration does not need them)."""
+        False: the new KV rows are dropped as they are made; keep_outputs False: so is each
+        call's output (calibration records what its hooks see, and needs neither)."""
         m, dev = self.model, self.device
         with torch.no_grad():
             with self.loaded("embed_tokens"):
@@ -167,9 +176,11 @@ class StreamedTarget:
                             s.new_k[-1] = s.new_v[-1] = None
                         s.past_k[i] = s.past_v[i] = None     # read: not needed again
                 _done(on_part, f"layers.{i}")
+            out = []
             with self.loaded("norm", "lm_head"):
-                out = [m.finish(s, None if c.logits_index is None else c.logits_index.to(dev))
-                       for s, c in zip(states, calls)]
+                for c in calls:
+                    o = m.finish(states.pop(0), None if c.logits_index is None else c.logits_index.to(dev))
+                    out.append(o if keep_outputs else None)
             _done(on_part, "lm_head")
         return out
 
@@ -197,8 +208,4 @@ def _done(on_part, name: str) -> None:
         on_part(name)
 
 
-def part_count(target: StreamedTarget) -> int:
-    return len(target.parts())
-
-
-__all__ = ["CheckpointError", "StreamedTarget", "TargetCall", "WeightRef", "part_count"]
+__all__ = ["CheckpointError", "StreamedTarget", "TargetCall", "WeightRef"]
