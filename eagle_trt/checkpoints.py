@@ -304,8 +304,10 @@ def check_drafter_fits(dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
         raise CheckpointError(f"{exc} ({tcfg.source} has num_hidden_layers {tcfg.num_hidden_layers})") from None
 
 
-def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | None = None) -> EagleDrafter:
-    """The drafter at `path`, fitted to `target`, on the target's device, in `dtype` (default: the target's)."""
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> EagleDrafter:
+    """The drafter at `path`, fitted to `target` (a LoadedTarget, or a StreamedTarget: then a
+    drafter that shares the target's embedding gets its own copy, read from the target's files),
+    on the target's device, in `dtype` (default: the target's)."""
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not folder.is_dir():
@@ -316,7 +318,7 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | No
     tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
     drafter = EagleDrafter(dcfg)
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
-        drafter.embed_tokens.weight = target.model.embed_tokens.weight
+        drafter.embed_tokens.weight = _target_embedding(target)
         drafter.embed_shared = True
     elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
         raise CheckpointError(f"{source}: tensor '{origin['embed_tokens.weight']}' has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
@@ -334,8 +336,18 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | No
     if "t2d" not in tensors:
         drafter.t2d.zero_()
         drafter.t2d[drafter.to_target_ids(torch.arange(dcfg.draft_vocab_size))] = True
+    if hasattr(target, "read"):      # a StreamedTarget: its device and dtype
+        return drafter.to(target.device, dtype or target.dtype).eval()
     w = target.model.embed_tokens.weight
     return drafter.to(w.device, dtype or w.dtype).eval()
+
+
+def _target_embedding(target) -> torch.nn.Parameter:
+    """The target's embedding table: a loaded target's own parameter (shared), a StreamedTarget's
+    read from its files (a copy: the drafter needs it whole, the target only part by part)."""
+    if hasattr(target, "read"):
+        return torch.nn.Parameter(target.read("embed_tokens.weight"), requires_grad=False)
+    return target.model.embed_tokens.weight
 
 
 def _check_d2t(drafter: EagleDrafter, source: Path) -> None:

@@ -43,12 +43,14 @@ def calls_for(cfg, gen) -> list[TargetCall]:
                        past, [p.flip(2) for p in past], torch.tensor([0, 2]))]
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_part_by_part_outputs_are_the_loaded_models_bit_for_bit(tmp_path, tie):
+@pytest.mark.parametrize("tie,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
+def test_part_by_part_outputs_are_the_loaded_models_bit_for_bit(tmp_path, tie, dtype):
     folder = write_tiny_hf_target(tmp_path / "t", layers=4, tie=tie)
-    loaded = load_target(folder)
-    streamed = StreamedTarget(folder)
+    loaded = load_target(folder, dtype)
+    streamed = StreamedTarget(folder, dtype)
     calls = calls_for(loaded.config, torch.Generator().manual_seed(0))
+    for c in calls:
+        c.past_k, c.past_v = [k.to(dtype) for k in c.past_k], [v.to(dtype) for v in c.past_v]
     got = streamed.forward_many(calls)
     for call, out in zip(calls, got):
         with torch.no_grad():

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.streamed import StreamedTarget
 from .store import Progress
 
 # Worst relative L2 error of any quantized MatMul against QuantLinear on the same input: a wrong
@@ -25,7 +26,11 @@ TORCH = {"float32": torch.float32, "float16": torch.float16}
 
 
 def _in_dtype(module, dtype: str):
+    """The model in `dtype`: a StreamedTarget reads its parts in it (nothing to copy); a loaded
+    module is copied when its dtype differs."""
     want = TORCH[dtype]
+    if isinstance(module, StreamedTarget):
+        return module.with_dtype(want)
     param = next(module.parameters())
     return module if param.dtype == want else copy.deepcopy(module).to(want)
 
@@ -54,7 +59,7 @@ def run_parity_stage(b, out: Path) -> dict:
     progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized) + 2 * iteration, b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
-    target = _in_dtype(models.target.model, tdt)
+    target = _in_dtype(models.target, tdt)
     drafter = _in_dtype(models.drafter, ddt)
     tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt))
     progress.step("target reference")
@@ -66,10 +71,10 @@ def run_parity_stage(b, out: Path) -> dict:
         progress.step(f"iteration graph composed in {composed.seconds:.1f}s")
         cases.append(iteration_case(target, drafter, shape, composed.path, "float16" if "float16" in (tdt, ddt) else tdt,
                                     [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)]))
-    # Every float reference is computed: the fake-quant references are made from the float models
-    # in place (each quantized Linear's float weight goes as its FP8 / FP4 one is made), and the
-    # rest of the float weights go before ONNX Runtime maps the graphs', so a real-size target is
-    # never in memory twice (issue 21). The released models are loaded again where needed.
+    # Every float reference is computed (the target's part by part: models/streamed.py); the
+    # fake-quant references are the float models made quantized: the target read part by part with
+    # its Linears swapped as each part is read, a drafter in place. The drafter goes before ONNX
+    # Runtime maps the graphs' weights.
     try:
         references = {m: _fake_quant_reference(b, m, target if m == "target" else drafter) for m in quantized}
     finally:
@@ -103,12 +108,17 @@ def run_parity_stage(b, out: Path) -> dict:
 
 def _fake_quant_reference(b, model: str, module):
     """`module` (the float model of 'target' or 'drafter', in its precision's dtype) made the
-    fake-quant reference in place: its quantized Linears hold FP8 / FP4 weights, not float ones."""
+    fake-quant reference: its quantized Linears hold FP8 / FP4 weights, not float ones (a
+    StreamedTarget's as each part is read; a loaded module's in place)."""
     from ..quant import QuantConfig, load_calibration, quantize_model
     p = getattr(b.cfg.precision, model)
     source = b.path("quantize", f"{model}.amax.json")
-    quantize_model(module, QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip)),
-                   load_calibration(source), source=str(source))
+    cfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
+    if isinstance(module, StreamedTarget):
+        module = module.with_dtype(module.dtype)
+        module.fake_quant = (cfg, load_calibration(source), str(source))
+        return module
+    quantize_model(module, cfg, load_calibration(source), source=str(source))
     return module.eval()
 
 
@@ -117,8 +127,8 @@ def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, pr
     and a bundle of the float case's feeds with the fake-quant model's outputs as reference."""
     from polygraphy.comparator import IterationResult, RunResults
 
-    from ..export.graphs import DraftTreeGraph, TargetGraph
-    from ..parity import GraphCase, _run, write_bundle
+    from ..export.graphs import DraftTreeGraph
+    from ..parity import GraphCase, _run, target_outputs, write_bundle
     from ..quant import layer_parity
     p = getattr(b.cfg.precision, model)
     graph_name = "target" if model == "target" else "drafter_tree"
@@ -129,10 +139,12 @@ def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, pr
     worst = max(layers, key=lambda r: r.rel_l2)
     progress.step(f"{graph.name}: {len(layers)} quantized MatMuls, worst rel L2 {worst.rel_l2:.2e}")
 
-    wrapper = TargetGraph(reference) if model == "target" else DraftTreeGraph(reference, b.cfg.tree.shape)
     names = list(float_case.reference[0])
-    case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels,
-                     [_run(wrapper.eval(), f, names) for f in float_case.feeds])
+    if model == "target":
+        outputs = target_outputs(reference, float_case.feeds)
+    else:
+        outputs = [_run(DraftTreeGraph(reference, b.cfg.tree.shape).eval(), f, names) for f in float_case.feeds]
+    case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels, outputs)
     write_bundle(case, RunResults([("pytorch-fakequant", [IterationResult(outputs=r, runner_name="pytorch-fakequant")
                                                           for r in case.reference])]), bundle_dir)
     progress.step(f"{case.name} bundle")

@@ -149,6 +149,17 @@ class Build:
                 raise BuildError(f"{self.store.root}: stage '{stage}' needs the {root} stage's artifacts ({why}); "
                                  f"add {root} to --stages or drop --stages")
 
+    def _weights_progress(self):
+        """A callback for export_target: a progress line (at most every 10 s) with an ETA as the
+        target's weights are written."""
+        bar: list[Progress] = []
+
+        def written(done: int, total: int, name: str) -> None:
+            if not bar:
+                bar.append(Progress("export", total, self.log, "target.onnx weights", every=10.0))
+            bar[0].step(name)
+        return written
+
     def path(self, stage: str, rel: str) -> Path:
         return self.store.stage_dir(stage) / rel
 
@@ -168,29 +179,40 @@ class Build:
             raise BuildConfigError(f"{self.cfg.source}: device: {exc}") from None
 
     def models_on(self, device):
-        """The models, moved to `device` (in place: one copy of the weights, wherever it is)."""
+        """The models on `device`: the drafter moved there (in place), the target read there part
+        by part as it is needed."""
+        import torch
         m = self.models
-        m.target.model.to(device)
+        m.target.device = torch.device(device)
         m.drafter.to(device)
         return m
 
     @property
     def models(self):
+        """The target as a StreamedTarget (its weights stay in the checkpoint's files and are read a
+        part at a time: an 8B target is never in memory, models/streamed.py) and the drafter,
+        loaded, with its own copy of the target's embedding when it shares it."""
         if self._models is None:
-            from ..api import prepare_models
+            import torch
+
+            from ..api import Models
+            from ..checkpoints import load_drafter
+            from ..models.streamed import StreamedTarget
+            start = time.perf_counter()
             r = self.resolved
             dtypes = {self.cfg.precision.target.dtype, self.cfg.precision.drafter.dtype}
-            models = prepare_models(r["target"]["folder"], r["drafter"]["folder"],
-                                    "float32" if "float32" in dtypes else "float16", self.log)
+            target = StreamedTarget(r["target"]["folder"], torch.float32 if "float32" in dtypes else torch.float16)
             capture = CaptureLayers(tuple(r["capture"]["streams"]), "layer_input")
-            models.drafter.cfg.capture = capture
-            models.target.model.set_capture(capture)
-            models.drafter_source = r["drafter"]["label"]
-            self._models = models
+            target.set_capture(capture)
+            drafter = load_drafter(r["drafter"]["folder"], target)
+            drafter.cfg.capture = capture
+            self._models = Models(target, drafter, r["drafter"]["label"], target.tokenizer())
+            self.say(f"  target {target.describe()}; drafter {r['drafter']['label']} loaded in "
+                     f"{time.perf_counter() - start:.1f}s")
         return self._models
 
     def release_models(self) -> None:
-        """Drop the PyTorch models; a later stage that needs them loads them again."""
+        """Drop the drafter (the target holds no weights); a later stage that needs them loads them again."""
         self._models = None
         gc.collect()
 
@@ -277,6 +299,7 @@ class Build:
 
     def export(self, selected: bool) -> StageResult:
         from ..export import GRAPH_FORMAT, export_drafter_step, export_drafter_tree, export_target
+        from ..export.onnx_export import DTYPES
         cfg = self.cfg
         key = {"upstream": self.upstream("export"), "tree": cfg.section("tree"),
                "dtypes": [cfg.precision.target.dtype, cfg.precision.drafter.dtype],
@@ -285,7 +308,7 @@ class Build:
         def run(tmp: Path) -> dict:
             m, shape = self.models_on("cpu"), cfg.tree.shape      # traced on the CPU: the graph is the same
             tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
-            jobs = [("target", lambda p: export_target(m.target.model, p, tdt)),
+            jobs = [("target", lambda p: export_target(m.target.with_dtype(DTYPES[tdt]), p, tdt, self._weights_progress())),
                     ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt))]
             if cfg.outputs.step_graphs:
                 jobs += [("drafter_step_first", lambda p: export_drafter_step(m.drafter, p, True, ddt)),

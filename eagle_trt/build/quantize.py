@@ -21,12 +21,13 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     """Write `<model>.<format>.onnx` and `<model>.amax.json` into `out` for each model whose
     precision is fp8 / nvfp4; returns {model: summary}. `graphs` maps 'target' /
     'drafter_tree' to the float graphs of the export stage. Every model is calibrated first;
-    then `release()` (when given) drops the PyTorch models, so the graph rewrites, which read
-    the float graphs' weights one by one, never hold them beside a real-size model."""
+    then `release()` (when given) drops the PyTorch models. A StreamedTarget (the build's) is
+    calibrated part by part, every prompt through each part in turn."""
     from ..quant import (
         calibrate_drafter,
         calibrate_target,
         calibration_prompts,
+        calibration_steps,
         linear_paths,
         quantize_onnx,
         save_calibration,
@@ -39,13 +40,14 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     ids = [p for _, p in prompts]
     calibrated = {}
     for name, graph in todo:
-        prompt_done = Progress(f"calibrate {name}", len(ids), log).step   # one line per prompt, with an ETA
+        # a line per part of the target (or per prompt), with an ETA
+        step = Progress(f"calibrate {name}", calibration_steps(models.target, ids), log, f"{len(ids)} prompts").step
         if name == "target":
-            module = models.target.model
-            amax = calibrate_target(module, ids, prompt_done)
+            module = models.target.model      # its Linears, which the calibration hooks (no weights)
+            amax = calibrate_target(models.target, ids, step)
         else:
             module = models.drafter
-            amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape, prompt_done)
+            amax = calibrate_drafter(module, models.target, ids, cfg.tree.shape, step)
         # module paths only: holding the Linears would keep the float weights through the rewrites
         calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), list(linear_paths(module)))
         progress.step(f"calibrated {name} on {len(ids)} prompts")

@@ -93,6 +93,7 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 # Resolves a parameter that holds no values (a meta tensor of a model read part by part) to the
 # file tensor behind it.
 Resolver = Callable[[torch.Tensor], "WeightRef | None"]
+WeightWritten = Callable[[int, int, str], None]     # (weights written, of how many, the last one's name)
 
 
 def _ref(tensor: torch.Tensor, resolve: Resolver | None, name: str) -> WeightRef:
@@ -143,7 +144,7 @@ def _write_initializer(f, header: onnx.TensorProto, raw: memoryview) -> None:
 
 
 def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, path: Path,
-                   resolve: Resolver | None = None) -> list[Path]:
+                   resolve: Resolver | None = None, on_weight: WeightWritten | None = None) -> list[Path]:
     """Make the graph inputs past the first `num_inputs` (the parameters and buffers of a stand-in
     of `real`, traced through weights_as_inputs) initializers holding `real`'s values, and write the graph
     to `path`, with its weights in `path.data` past the external-data threshold (as save_graph
@@ -182,12 +183,14 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
         graph.graph.node.extend(nodes)
 
     def values():      # one tensor at a time: the only copy of a weight ever made
-        for p in stored:
+        for i, p in enumerate(stored):
             ref, transposed = sources[p.name]
             tensor = ref.read()
             value = (tensor.t() if transposed else tensor).detach().to("cpu", _torch_dtype(dtype_of(p)))
             del tensor
             yield p, value.contiguous().numpy()
+            if on_weight is not None:
+                on_weight(i + 1, len(stored), p.name)
 
     path = Path(path)
     if not external:
@@ -216,4 +219,4 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
     return [path, data]
 
 
-__all__ = ["Resolver", "WeightRef", "attach_weights", "stand_in", "weights_as_inputs"]
+__all__ = ["Resolver", "WeightRef", "WeightWritten", "attach_weights", "stand_in", "weights_as_inputs"]

@@ -16,6 +16,7 @@ a real-size target is never in memory as a whole, let alone twice.
 Linear of a part becomes its QuantLinear as the part is read, and goes with it."""
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,7 +60,8 @@ class StreamedTarget:
         self.config = TargetConfig.from_hf(read_json(self.folder / "config.json"), str(self.folder / "config.json"))
         self.files = TensorFiles(self.folder)
         with parameters_on_meta():
-            self.model = LlamaTarget(self.config).eval()
+            # its buffers (RoPE's inv_freq) in `dtype`, as a loaded model's and the exported graph's
+            self.model = LlamaTarget(self.config).to(dtype).eval()
         self.dtype, self.device = dtype, torch.device(device)
         self.fake_quant: tuple | None = None     # (QuantConfig, amax, source) while a fake-quant reference
         names = {HF_PREFIX.sub("", k): k for k in self.files.entries}
@@ -193,10 +195,13 @@ class StreamedTarget:
         return self.model.empty_past(batch, dtype or self.dtype, device or self.device)
 
     def with_dtype(self, dtype: torch.dtype) -> "StreamedTarget":
-        """The same files and capture, read as `dtype` (nothing is held, so this copies nothing)."""
+        """The same files and capture, read as `dtype`, with a model of its own (its buffers in
+        `dtype`; without weights, copying it copies almost nothing)."""
         other = object.__new__(StreamedTarget)
         other.__dict__.update(self.__dict__)
         other.dtype = dtype
+        other.model = copy.deepcopy(self.model).to(dtype)
+        other._param_names = {id(p): n for n, p in other.model.named_parameters(remove_duplicate=False)}
         return other
 
     def describe(self) -> str:
