@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -405,8 +408,9 @@ def parity_session(graph: str | Path, dtype: str = "float32"):
 
 class WeightsFed:
     """A session over a graph whose external float16 weights are graph inputs, fed on every call
-    as read-only memory maps of its data file (page cache, never a float32 copy). Presents the
-    graph's own inputs (get_inputs / get_outputs / run), as Polygraphy's runner expects."""
+    as read-only memory maps of its data file (page cache, never a float32 copy), whose pages are
+    dropped from the process as the call goes (pages_dropped). Presents the graph's own inputs
+    (get_inputs / get_outputs / run), as Polygraphy's runner expects."""
 
     def __init__(self, graph: Path, options):
         import onnx
@@ -437,7 +441,35 @@ class WeightsFed:
         return self.session.get_outputs()
 
     def run(self, output_names, feeds):
-        return self.session.run(output_names, {**feeds, **self.weights})
+        with pages_dropped([w._mmap for w in self.weights.values()]):
+            return self.session.run(output_names, {**feeds, **self.weights})
+
+
+@contextmanager
+def pages_dropped(maps: list[mmap.mmap], every: float = 0.2):
+    """While the block runs (an ONNX Runtime call, which releases the GIL), drop the pages of the
+    read-only file mappings `maps` from the process every `every` seconds, and once more at the
+    end. A call reads each weight once, and the pages it read would otherwise stay mapped until
+    the maps are closed: a real-size target's weights file, once more in the process's memory
+    (its RSS), for the length of the parity stage. Dropped, they stay in the kernel's page
+    cache, from which a page still being read is mapped again on its next access."""
+    stop = threading.Event()
+
+    def drop():
+        for m in maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def keep_dropping():
+        while not stop.wait(every):
+            drop()
+    thread = threading.Thread(target=keep_dropping, name="drop-weight-pages", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        drop()
 
 
 def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:

@@ -191,3 +191,43 @@ def test_calibration_and_the_fake_quant_check_part_by_part_are_the_loaded_models
     outs = [target_outputs(r, [feed])[0] for r in (reference, fake_quant)]
     assert all(np.array_equal(outs[0][k], outs[1][k]) for k in outs[0])
     assert all(p.is_meta for p in fake_quant.model.parameters())    # the QuantLinears went with their parts
+
+
+def test_weights_fed_as_memory_maps_leave_no_pages_in_the_process_after_a_call(tmp_path):
+    """An fp16 graph's weights fed from its data file: the same outputs as ONNX Runtime's own
+    loading, and after the call the file's pages are no longer mapped into the process."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from eagle_trt.export.graph_files import DataFile
+    from eagle_trt.parity import WeightsFed
+
+    n, m = 1024, 16384      # a 32 MB float16 weight
+    w = np.random.default_rng(0).standard_normal((n, m)).astype(np.float16)
+    graph = tmp_path / "g.onnx"
+    with DataFile(tmp_path / "g.onnx.data") as data:
+        init = data.append(onnx.TensorProto(name="w", data_type=TensorProto.FLOAT16, dims=w.shape), [w.tobytes()])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, m])], [init]),
+        opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    onnx.save(model, str(graph))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    fed = WeightsFed(graph, so)
+    x = {"x": np.ones((1, n), np.float16)}
+
+    def mapped_kb() -> int:       # resident pages of the weights file mapped into this process
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            if "-" in line.split()[0] and len(line.split()) >= 5:
+                inside = line.rstrip().endswith(str(tmp_path / "g.onnx.data"))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total
+    got = fed.run(None, x)[0]
+    plain = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"]).run(None, x)[0]
+    np.testing.assert_array_equal(got, plain)
+    assert mapped_kb() < 1024, f"{mapped_kb()} kB of the weights file still mapped after the call"

@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph_files import install_graph, load_weights, save_graph
+from .graph_files import check_graph_files, check_structure, install_graph, load_weights, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
 
@@ -154,8 +154,9 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
                       tensorrt: bool = True) -> ExportedGraph:
     """Write the iteration graph of a target graph and a drafter tree graph to `path`
     (atomically; checked against TensorRT's parser op set unless `tensorrt` is False: the int8
-    drafter graphs are ONNX Runtime's alone). The target's weights are copied from its files
-    tensor by tensor (never all in memory); the drafter's are small and loaded."""
+    drafter graphs are ONNX Runtime's alone). The target's weights are read from its own weights
+    file, hard-linked beside the iteration graph (copied tensor by tensor where a link cannot be
+    made: never all in memory); the drafter's are small and loaded."""
     start = time.perf_counter()
     target_path, drafter_path, path = Path(target_path), Path(drafter_path), Path(path)
     for p in (target_path, drafter_path):
@@ -209,13 +210,15 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     del target, drafter
     if tensorrt:
         check_graph(model, str(path))
+    check_structure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
-        written = save_graph(model, tmp / path.name, source_dir=target_path.parent)
+        # the target's weights stay in its own weights file, hard-linked beside the iteration graph
+        written = save_graph(model, tmp / path.name, source_dir=target_path.parent, share_data=True)
         ops = sorted({n.op_type for n in model.graph.node})
         del model
-        onnx.checker.check_model(str(written[0]))     # by path: its weights where they were written
+        check_graph_files(written[0])     # every weights file it reads there, long enough
         install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -137,10 +137,10 @@ def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[
     if is_nvfp4_graph(model):
         load_external_data_for_model(model, str(Path(graph).parent))
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
-    else:   # from a file written like the build's (its weights copied there one by one, not loaded)
+    else:   # from a file beside the graph's weights file (hard-linked, else copied one by one; not loaded)
         _dequantize_weights_where_used(model)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
-            probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent)[0]
+            probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent, share_data=True)[0]
             values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
     paths = {}
     for node, _ in pairs:
