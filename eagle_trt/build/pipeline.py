@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import gc
 import hashlib
 import json
@@ -128,8 +129,14 @@ class Build:
             shutil.rmtree(tmp, ignore_errors=True)
             self.store.drop(name)
             return self._done(StageResult(name, "skipped", skip.reason, time.perf_counter() - start, key))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)     # nothing half-written stays behind
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise BuildError(f"{self.store.root}: the {name} stage stopped: {exc}; free space on that file system "
+                                 f"and run the build again (completed stages are kept)") from None
+            from ..export.graph_files import DiskFull
+            if isinstance(exc, DiskFull):
+                raise DiskFull(f"the {name} stage stopped: {exc}") from None
             raise
         rec = self.store.commit(name, tmp, key, info, time.perf_counter() - start)
         return self._done(StageResult(name, "ran", "", rec.seconds, key, rec.artifacts, rec.info))
@@ -224,6 +231,10 @@ class Build:
         cfg = self.cfg
         folder = resolve_target(cfg.target.source)
         tcfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
+        # every weights file read as far as its header: a missing or truncated shard, or a tensor
+        # that does not fit the config, is named now rather than minutes into a later stage
+        from ..models.streamed import StreamedTarget
+        StreamedTarget(folder, device="cpu")
         drafter = None if cfg.drafter.source == "default" else Path(cfg.drafter.source)
         if drafter is None:
             drafter = default_drafter_path(cfg.target.source)
@@ -460,7 +471,12 @@ def build(config: BuildConfig, output: str | Path | None = None, stages: list[st
         error = exc
         raise
     finally:
-        manifest = _write_manifest(b, time.perf_counter() - start, error)
+        try:
+            manifest = _write_manifest(b, time.perf_counter() - start, error)
+        except OSError as exc:     # a full disk: the stage's own error is the one to report
+            if error is None:
+                raise
+            b.say(f"  (manifest.json not written: {exc})")
     if log is not None:
         print(summary_table(manifest), file=log)
     return manifest

@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 from torch import nn
 
 from ..models.streamed import WeightRef
-from .graph_files import MIN_EXTERNAL_TENSOR, data_file_name, external_data_threshold, point_to_data
+from .graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, external_data_threshold, writing
 
 TRANSPOSED = "_t"     # suffix of the parameter a stand-in Linear multiplies by
 
@@ -198,24 +198,22 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
         # field when it parses, so this is the graph with its initializers, serialized a tensor
         # at a time, each weight's bytes going from its array to the file (no protobuf copy of
         # them); the in-memory `graph` stays without them.
-        with open(path, "wb") as f:
+        with writing(path), open(path, "wb") as f:
             f.write(graph.SerializeToString())
             for p, value in values():
                 header = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
                 _write_initializer(f, header, memoryview(value).cast("B"))
         return [path]
-    offset = 0
-    with open(data, "wb") as out:
+    with DataFile(data) as out:
         for p, value in values():
             if value.nbytes >= MIN_EXTERNAL_TENSOR:
-                init = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
-                out.write(memoryview(value).cast("B"))
-                point_to_data(init, data, offset, value.nbytes)
-                offset += value.nbytes
+                init = out.append(onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type,
+                                                   dims=value.shape), [memoryview(value).cast("B")])
             else:
                 init = numpy_helper.from_array(value, p.name)
             graph.graph.initializer.append(init)
-    onnx.save(graph, str(path))
+    with writing(path):
+        onnx.save(graph, str(path))
     return [path, data]
 
 
