@@ -133,9 +133,11 @@ def _weight_dtype(model) -> torch.dtype:
     return model.dtype if isinstance(model, StreamedTarget) else model.embed_tokens.weight.dtype
 
 
-def target_outputs(model: LlamaTarget | StreamedTarget, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+def target_outputs(model: LlamaTarget | StreamedTarget, feeds: list[dict[str, np.ndarray]],
+                   on_part=None) -> list[dict[str, np.ndarray]]:
     """The target graph's outputs (TargetGraph) on each feed, computed by the PyTorch model: by a
-    StreamedTarget part by part, for all the feeds in one pass over its weights."""
+    StreamedTarget part by part, for all the feeds in one pass over its weights (on_part(name)
+    after each part, for progress)."""
     _, names = target_io_names(model.cfg.num_hidden_layers)
     if not isinstance(model, StreamedTarget):
         module = TargetGraph(model).eval()
@@ -144,7 +146,7 @@ def target_outputs(model: LlamaTarget | StreamedTarget, feeds: list[dict[str, np
     layers = range(model.cfg.num_hidden_layers)
     calls = [TargetCall(f["input_ids"], f["position_ids"], f["attention_mask"], [f[f"past_key_{i}"] for i in layers],
                         [f[f"past_value_{i}"] for i in layers], f["logits_index"]) for f in t]
-    outs = model.forward_many(calls)
+    outs = model.forward_many(calls, on_part=on_part)
     with torch.no_grad():
         return [{n: _np(o) for n, o in zip(names, target_graph_outputs(out, f["input_ids"], f["attention_mask"],
                                                                         f["logits_index"]))}
@@ -167,7 +169,8 @@ def _new_kv(out: dict[str, np.ndarray], layers: int) -> list[tuple[torch.Tensor,
 # ----------------------------------------------------------------------------- cases
 
 def target_case(model: LlamaTarget | StreamedTarget, graph: Path, dtype: str, real_prompts: list[list[int]],
-                tree_shape: TreeShape | None = None, drafter: EagleDrafter | None = None, seed: int = 0) -> GraphCase:
+                tree_shape: TreeShape | None = None, drafter: EagleDrafter | None = None, seed: int = 0,
+                on_part=None) -> GraphCase:
     """Random feeds (random ids, random past) and real ones: a prompt's prefill and the tree
     verification step that follows it (past = the prefill's KV, mask = a real draft tree). The
     references are computed in two passes over the model (target_outputs): the prefills and
@@ -185,7 +188,7 @@ def target_case(model: LlamaTarget | StreamedTarget, graph: Path, dtype: str, re
     prefills = [_target_feed(torch.tensor([p]), torch.arange(len(p))[None], causal_mask(len(p), 0), empty)
                 for p in real_prompts]
     first = target_outputs(model, [_target_feed(prefix_ids, torch.arange(P)[None], causal_mask(P, 0), empty,
-                                                torch.tensor([P - 1]))] + prefills)
+                                                torch.tensor([P - 1]))] + prefills, on_part)
     prefix_kv, prefill_refs = _new_kv(first[0], L), first[1:]
 
     random_mask = causal_mask(T, P).clone()
@@ -215,7 +218,7 @@ def target_case(model: LlamaTarget | StreamedTarget, graph: Path, dtype: str, re
     bpos = torch.stack((torch.arange(P, P + T), torch.arange(P - 4, P - 4 + T)))
     steps.append(("batch of 2 (past 13 and 9 rows)",
                   _target_feed(batch_ids, bpos, bmask, [(k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)) for k, v in prefix_kv])))
-    second = target_outputs(model, [f for _, f in steps])
+    second = target_outputs(model, [f for _, f in steps], on_part)
 
     case = GraphCase("target", graph, dtype)
     verified = iter(zip(steps[1:-1], second[1:-1]))
@@ -327,7 +330,8 @@ def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: tor
 
 
 def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path,
-                   dtype: str, real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0) -> GraphCase:
+                   dtype: str, real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0,
+                   on_part=None) -> GraphCase:
     """The iteration graph: real feeds (the iteration after a prompt's prefill: the drafter
     encodes the prompt's captured states, the target's past is the prefill's KV; `real` are the
     target case's prefill references with their drafter ids) and a batch of two with random
@@ -375,7 +379,7 @@ def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, 
     label = "batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)"
     add(label, *batch)
     add(label + ", each tree's best node alone (verify_nodes 1: paths shorter than the drafter rows)", *batch, nodes=1)
-    verified = target_outputs(target, [verify for _, verify, _ in drafts])
+    verified = target_outputs(target, [verify for _, verify, _ in drafts], on_part)
     for (tree, verify, captured), out in zip(drafts, verified):
         case.reference.append({n: _np(o) for n, o in zip(names, module.handoff(tree, verify, out, captured))})
     return case

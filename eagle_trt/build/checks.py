@@ -61,7 +61,8 @@ def run_parity_stage(b, out: Path) -> dict:
     prompts = real_prompt_ids(models, cfg.parity.prompts)
     target = _in_dtype(models.target, tdt)
     drafter = _in_dtype(models.drafter, ddt)
-    tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt))
+    tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt),
+                        on_part=_parts_progress(b, target, "target reference"))
     progress.step("target reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
@@ -70,7 +71,8 @@ def run_parity_stage(b, out: Path) -> dict:
         composed = compose_iteration(graphs["target"], graphs["drafter_tree"], out / "iteration" / "iteration.onnx")
         progress.step(f"iteration graph composed in {composed.seconds:.1f}s")
         cases.append(iteration_case(target, drafter, shape, composed.path, "float16" if "float16" in (tdt, ddt) else tdt,
-                                    [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)]))
+                                    [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)],
+                                    on_part=_parts_progress(b, target, "iteration reference", passes=1)))
     # Every float reference is computed (the target's part by part: models/streamed.py); the
     # fake-quant references are the float models made quantized: the target read part by part with
     # its Linears swapped as each part is read, a drafter in place. The drafter goes before ONNX
@@ -104,6 +106,15 @@ def run_parity_stage(b, out: Path) -> dict:
     data["worst"] = {f"{g['name']}.{o['output']}": o["max_abs"] for g in data["graphs"] for o in g["outputs"]
                      if o["output"] in ("logits", "tree_scores", "tree_tokens")}
     return data
+
+
+def _parts_progress(b, target, label: str, passes: int = 2):
+    """A progress callback for the reference passes over a StreamedTarget's parts (at most a line
+    every 10 s, with an ETA); None for a loaded model."""
+    if not isinstance(target, StreamedTarget):
+        return None
+    bar = Progress("parity", passes * len(target.parts()), b.log, label, every=10.0)
+    return lambda part: bar.step(part)
 
 
 def _fake_quant_reference(b, model: str, module):
@@ -141,7 +152,7 @@ def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, pr
 
     names = list(float_case.reference[0])
     if model == "target":
-        outputs = target_outputs(reference, float_case.feeds)
+        outputs = target_outputs(reference, float_case.feeds, _parts_progress(b, reference, "fake-quant reference", 1))
     else:
         outputs = [_run(DraftTreeGraph(reference, b.cfg.tree.shape).eval(), f, names) for f in float_case.feeds]
     case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels, outputs)

@@ -38,20 +38,21 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     prompts = calibration_prompts(models.tokenizer, cfg.calibration.prompts, cfg.calibration.max_tokens,
                                   Path(cfg.calibration.path) if cfg.calibration.path else None)
     ids = [p for _, p in prompts]
+    target = _calibration_target(models.target)
     calibrated = {}
     for name, graph in todo:
         # a line per part of the target (or per prompt), with an ETA
-        step = Progress(f"calibrate {name}", calibration_steps(models.target, ids), log, f"{len(ids)} prompts").step
+        step = Progress(f"calibrate {name}", calibration_steps(target, ids), log, f"{len(ids)} prompts", every=10.0).step
         if name == "target":
-            module = models.target.model      # its Linears, which the calibration hooks (no weights)
-            amax = calibrate_target(models.target, ids, step)
+            module = target.model      # its Linears, which the calibration hooks (no weights)
+            amax = calibrate_target(target, ids, step)
         else:
             module = models.drafter
-            amax = calibrate_drafter(module, models.target, ids, cfg.tree.shape, step)
+            amax = calibrate_drafter(module, target, ids, cfg.tree.shape, step)
         # module paths only: holding the Linears would keep the float weights through the rewrites
         calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), list(linear_paths(module)))
         progress.step(f"calibrated {name} on {len(ids)} prompts")
-    del models, module
+    del models, module, target
     if release is not None:
         release()
     summaries = {}
@@ -66,6 +67,19 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
                            "prompts": len(ids), "quantized": len(summary.quantized),
                            "skipped": sorted(set(summary.skipped.values()))}
     return summaries
+
+
+def _calibration_target(target):
+    """The target calibration runs: on the CPU a float16 StreamedTarget is read as float32 (PyTorch's
+    float16 matmuls there run ~5x slower than float32 ones: an 8B target's calibration would take
+    over an hour on two cores); the statistic, each Linear's largest input, is the same to float16's
+    rounding, and the graph and its fake-quant reference are made from the one recorded."""
+    import torch
+
+    from ..models.streamed import StreamedTarget
+    if isinstance(target, StreamedTarget) and target.device.type == "cpu" and target.dtype == torch.float16:
+        return target.with_dtype(torch.float32)
+    return target
 
 
 __all__ = ["quant_config", "quantize_graphs"]
