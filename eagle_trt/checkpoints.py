@@ -316,7 +316,8 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     check_drafter_fits(dcfg, target.config)
     tensors, source = read_state_dict(folder)
     tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
-    drafter = EagleDrafter(dcfg)
+    with parameters_on_meta():        # no random init of weights the file replaces (an 8B vocabulary's table)
+        drafter = EagleDrafter(dcfg)
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
         drafter.embed_tokens.weight = _target_embedding(target)
         drafter.embed_shared = True
@@ -331,15 +332,20 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
             raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
                                   f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
     optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
-    load_exact(drafter, tensors, source, optional, origin)
+    streamed = hasattr(target, "read")     # a StreamedTarget: its device and dtype
+    want = dtype or (target.dtype if streamed else target.model.embed_tokens.weight.dtype)
+    # One copy of the weights at a time: each file tensor is converted, then dropped.
+    tensors = {name: tensors.pop(name).to(want) if tensors[name].is_floating_point() else tensors.pop(name)
+               for name in list(tensors)}
+    load_exact(drafter, tensors, source, optional, origin, assign=True)
+    unloaded = [name for name, p in drafter.named_parameters() if p.device.type == "meta"]
+    if unloaded:
+        raise CheckpointError(f"{source}: no weights for {unloaded[:5]}")
     _check_d2t(drafter, source)
     if "t2d" not in tensors:
         drafter.t2d.zero_()
         drafter.t2d[drafter.to_target_ids(torch.arange(dcfg.draft_vocab_size))] = True
-    if hasattr(target, "read"):      # a StreamedTarget: its device and dtype
-        return drafter.to(target.device, dtype or target.dtype).eval()
-    w = target.model.embed_tokens.weight
-    return drafter.to(w.device, dtype or w.dtype).eval()
+    return drafter.to(target.device if streamed else target.model.embed_tokens.weight.device, want).eval()
 
 
 def _target_embedding(target) -> torch.nn.Parameter:

@@ -60,8 +60,14 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
         precision = getattr(cfg.precision, name)
         amax, calib, paths = calibrated[name]
         dst = out / f"{graph}.{precision.format}.onnx"
+        bar = []     # a line at most every 10 s, with an ETA, as the MatMuls are rewritten
+
+        def rewritten(done: int, total: int, what: str = dst.name) -> None:
+            if not bar:
+                bar.append(Progress("quantize", total, log, f"{what} MatMuls", every=10.0))
+            bar[0].step()
         summary = quantize_onnx(graphs[graph], dst, quant_config(precision, f"{cfg.source}: precision.{name}"),
-                                amax, paths, source=str(calib))
+                                amax, paths, source=str(calib), on_matmul=rewritten)
         progress.step(f"{dst.name}: {len(summary.quantized)} MatMuls quantized, {len(summary.skipped)} kept")
         summaries[name] = {"graph": dst.name, "calibration": calib.name, "format": precision.format,
                            "prompts": len(ids), "quantized": len(summary.quantized),

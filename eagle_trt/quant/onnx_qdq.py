@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 from contextlib import nullcontext
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -292,11 +292,13 @@ def _set_opsets(model: onnx.ModelProto, fmt: str) -> int:
 
 def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, float],
                    modules: Iterable[str] | None = None, source: str = "calibration",
-                   base_dir: str | Path | None = None, data: DataFile | None = None) -> QDQSummary:
+                   base_dir: str | Path | None = None, data: DataFile | None = None,
+                   on_matmul: Callable[[int, int], None] | None = None) -> QDQSummary:
     """Rewrite `model` in place. `modules` lists the torch Linear module paths (defaults to the
     calibration's keys); `source` names the calibration in errors; base_dir: where the weights
     of a model loaded without its external data are; data: the weights file the quantized
-    weights are written into as they are made (else they are held in the graph)."""
+    weights are written into as they are made (else they are held in the graph); on_matmul(done,
+    total) after each MatMul is rewritten (progress)."""
     if not cfg.enabled:
         raise QuantError(f"{cfg.source}: quantization format is 'none'; nothing to rewrite")
     known = set(amax) | set(modules or ())
@@ -326,11 +328,13 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
         raise QuantError(f"{cfg.source}: no Linear MatMul in the graph is left to quantize "
                          f"({len(summary.skipped)} skipped)")
     check_amax(amax, sorted({p for _, _, p, _, _ in plan}), source)
-    for index, node, path, init_name, transposed in plan:
+    for done, (index, node, path, init_name, transposed) in enumerate(plan, 1):
         graph_dtype = FLOAT_TYPES[rw.inits[init_name].data_type]
         node.input[1] = rw.weight(init_name, transposed)
         node.input[0] = rw.activation(index, node, float(amax[path]), graph_dtype)
         summary.quantized[node.name] = path
+        if on_matmul is not None:
+            on_matmul(done, len(plan))
     rw.finish()
     summary.weights_converted = len(rw.weights)
     summary.opset = _set_opsets(model, cfg.format)
@@ -339,7 +343,8 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
 
 
 def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict[str, float],
-                  modules: Iterable[str] | None = None, source: str = "calibration") -> QDQSummary:
+                  modules: Iterable[str] | None = None, source: str = "calibration",
+                  on_matmul: Callable[[int, int], None] | None = None) -> QDQSummary:
     """Read the float graph at `src`, write its Q/DQ form to `dst` (temporary folder, checks,
     then rename: a present `dst` is always complete), and say what was quantized."""
     src, dst = Path(src), Path(dst)
@@ -354,7 +359,7 @@ def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict
         tmp_file = tmp / dst.name
         external = any(i.data_location == TensorProto.EXTERNAL for i in model.graph.initializer)
         with DataFile(tmp_file.with_name(data_file_name(tmp_file))) if external else nullcontext() as data:
-            summary = quantize_graph(model, cfg, amax, modules, source, src.parent, data)
+            summary = quantize_graph(model, cfg, amax, modules, source, src.parent, data, on_matmul)
             written = save_graph(model, tmp_file, source_dir=src.parent, data=data)
         try:
             onnx.checker.check_model(str(tmp_file))
