@@ -388,33 +388,38 @@ def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, 
 # ----------------------------------------------------------------------------- checking
 
 def parity_session(graph: str | Path, dtype: str = "float32"):
-    """An ONNX Runtime CPU session that leaves the weights where they are: without prepacking,
-    a graph's external weights stay memory-mapped from its data file (page cache, reclaimable)
-    instead of being copied into packed buffers (one more copy of a real-size target's weights
-    beside the PyTorch reference). A float16 graph runs unoptimized, and its external weights
-    are fed as inputs (WeightsFed): the CPU has no fp16 MatMul, and ONNX Runtime turns float16
-    *initializers* into float32 copies when it loads the graph (an FP8-on-fp16 build of a 0.83 B
-    target peaked at 1.89x its fp32 weights there), while a float16 *input* is cast when its node
-    runs. A parity run makes a handful of calls; their speed does not matter."""
+    """An ONNX Runtime CPU session whose weights are never copied into the process: a graph's
+    external float weights are fed as inputs, read-only memory maps of its data file whose pages
+    are dropped from the process as each call reads them (WeightsFed): ONNX Runtime's own loading
+    maps the file and keeps every page it read mapped, a real-size target's weights once more in
+    the process's memory for the rest of the parity stage. Without prepacking, small weights kept
+    in the graph are not copied into packed buffers either. A float16 graph runs unoptimized:
+    the CPU has no fp16 MatMul, and ONNX Runtime's optimizer turns float16 *initializers* into
+    float32 copies (an FP8-on-fp16 build of a 0.83 B target peaked at 1.89x its fp32 weights
+    there), while a float16 *input* is cast when its node runs. A parity run makes a handful of
+    calls; their speed does not matter."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False          # each call's memory goes back after it
     if dtype == "float16":
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         # The default order runs the weights' casts early, holding most float32 copies at once
         # (2.5 GB for a 0.83 B target); priority order casts each near its use (0.75 GB).
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-        so.enable_cpu_mem_arena = False      # and gives the memory back after the call
-        return WeightsFed(Path(graph), so)
-    return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    return WeightsFed(Path(graph), so)
+
+
+FED_TYPES = {1: np.float32, 10: np.float16}     # TensorProto.FLOAT, FLOAT16: the weights fed as memory maps
 
 
 class WeightsFed:
-    """A session over a graph whose external float16 weights are graph inputs, fed on every call
-    as read-only memory maps of its data file (page cache, never a float32 copy), whose pages are
-    dropped from the process as the call goes (pages_dropped). Presents the graph's own inputs
-    (get_inputs / get_outputs / run), as Polygraphy's runner expects."""
+    """A session over a graph whose external float weights are graph inputs, fed on every call
+    as read-only memory maps of its data file (page cache, never a copy, nor a float32 one of a
+    float16 weight), whose pages are dropped from the process as the call goes (pages_dropped).
+    Presents the graph's own inputs (get_inputs / get_outputs / run), as Polygraphy's runner
+    expects. A graph without external weights is an ordinary session."""
 
     def __init__(self, graph: Path, options):
         import onnx
@@ -428,12 +433,15 @@ class WeightsFed:
                 kept.append(init)
                 continue
             info = {e.key: e.value for e in init.external_data}
-            if init.data_type != TensorProto.FLOAT16:    # small non-float16 tensors: into the graph
+            if init.data_type not in FED_TYPES:    # small non-float tensors: into the graph
                 kept.append(numpy_helper.from_array(numpy_helper.to_array(init, str(graph.parent)), init.name))
                 continue
-            self.weights[init.name] = np.memmap(graph.parent / info["location"], dtype=np.float16, mode="r",
-                                                offset=int(info.get("offset", 0)), shape=tuple(init.dims))
-            model.graph.input.append(helper.make_tensor_value_info(init.name, TensorProto.FLOAT16, list(init.dims)))
+            self.weights[init.name] = np.memmap(graph.parent / info["location"], dtype=FED_TYPES[init.data_type],
+                                                mode="r", offset=int(info.get("offset", 0)), shape=tuple(init.dims))
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        if not self.weights:
+            self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+            return
         del model.graph.initializer[:]
         model.graph.initializer.extend(kept)
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -445,6 +453,8 @@ class WeightsFed:
         return self.session.get_outputs()
 
     def run(self, output_names, feeds):
+        if not self.weights:
+            return self.session.run(output_names, feeds)
         with pages_dropped([w._mmap for w in self.weights.values()]):
             return self.session.run(output_names, {**feeds, **self.weights})
 
