@@ -44,7 +44,7 @@ SHAPES = {
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-SHARD_BYTES = {"0.83b": "500MB", "llama3.1-8b": "2GB"}
+SHARD_BYTES = {"0.83b": "500MB", "llama3.1-8b": "5GB"}    # the second as Llama-3.1-8B on the Hub (4 files)
 OVERHEAD_BOUND = 2e9       # bytes the build may use beyond one copy of the weights in their base precision
 BASE_BYTES = {"fp32": 4, "fp16": 2}
 
