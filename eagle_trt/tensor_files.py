@@ -133,8 +133,11 @@ class TensorFiles:
     def _read_torch_bin(self, path: Path) -> None:
         try:
             self._torch_bin = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - surface the file name with any unpickling error
-            raise CheckpointError(f"{path}: cannot read ({exc})") from None
+        except Exception:  # noqa: BLE001 - the legacy (pre-zip) format cannot be mapped: read whole
+            try:
+                self._torch_bin = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - surface the file name with any unpickling error
+                raise CheckpointError(f"{path}: cannot read ({exc})") from None
         for name, t in self._torch_bin.items():
             self.entries[name] = TensorEntry(name, path, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
 

@@ -231,3 +231,19 @@ def test_weights_fed_as_memory_maps_leave_no_pages_in_the_process_after_a_call(t
     plain = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"]).run(None, x)[0]
     np.testing.assert_array_equal(got, plain)
     assert mapped_kb() < 1024, f"{mapped_kb()} kB of the weights file still mapped after the call"
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_pytorch_model_bin_target_is_read_part_by_part_too(tmp_path, legacy):
+    """pytorch_model.bin (mapped by torch.load; the legacy pre-zip format read whole)."""
+    from safetensors.torch import load_file
+    folder = write_tiny_hf_target(tmp_path / "t", layers=2)
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin",
+               _use_new_zipfile_serialization=not legacy)
+    (folder / "model.safetensors").unlink()
+    loaded, streamed = load_target(folder), StreamedTarget(folder)
+    call = calls_for(loaded.config, torch.Generator().manual_seed(2))[1]
+    with torch.no_grad():
+        want = loaded.model(call.input_ids, call.position_ids, call.attention_mask, call.past_k, call.past_v,
+                            call.logits_index)
+    assert torch.equal(streamed.forward_many([call])[0].logits, want.logits)
