@@ -79,6 +79,10 @@ class GraphCase:
     feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)          # "random" / "real: ..."
     reference: list[dict[str, np.ndarray]] = field(default_factory=list)
+    # A float16 graph's case may carry the float32 model's outputs on the same feeds (the same
+    # weights, computed in float32): its float outputs are then checked against those, within the
+    # table's tolerance or twice the float16 model's own distance from them (check_case).
+    exact: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class OutputReport:
     rtol: float
     exact: bool
     passed: bool
+    fp16_noise: float = 0.0    # the float16 PyTorch model's largest distance from the float32 one (case.exact)
 
 
 @dataclass
@@ -414,13 +419,19 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
     runner = OnnxrtRunner(parity_session(case.graph, case.dtype), name="onnxruntime")
     ort_results = Comparator.run([runner], data_loader=case.feeds)
     ort_iters = list(ort_results.values())[0]
-    expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r
-                for r, f, g in zip(case.reference, case.feeds, ort_iters)]
-    reference = RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch") for r in expected])])
-    results = RunResults(list(reference.items()) + list(ort_results.items()))
     names = list(case.reference[0])
     float_names = [n for n in names if n not in EXACT_OUTPUTS]
     tols = {n: tolerance_for(n, case.dtype, case.reference) for n in float_names}
+    noise = {}
+    if case.exact:     # floats against the float32 model, integers against the float16 one
+        noise = {n: _largest_difference(case.reference, case.exact, n) for n in float_names}
+        tols = {n: (max(t[0], FP16_NOISE_FACTOR * noise[n]), t[1]) for n, t in tols.items()}
+    compared = case.exact or case.reference
+    expected = [dict(c, **{n: r[n] for n in names if n in EXACT_OUTPUTS}) for c, r in zip(compared, case.reference)]
+    expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r
+                for r, f, g in zip(expected, case.feeds, ort_iters)]
+    reference = RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch") for r in expected])])
+    results = RunResults(list(reference.items()) + list(ort_results.items()))
     atol = {n: t[0] for n, t in tols.items()}
     rtol = {n: t[1] for n, t in tols.items()}
     atol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
@@ -446,12 +457,33 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None) -> GraphReport:
             np.all(np.abs(r[name].astype(np.float64) - np.asarray(g[name], np.float64))
                    <= tol[0] + tol[1] * np.abs(r[name].astype(np.float64)))
             for r, g in zip(expected, ort_iters))
-        outputs.append(OutputReport(name, max_abs, max_rel, tol[0], tol[1], exact, bool(passed)))
+        if name in noise and noise[name] > FP16_NOISE_MAX * max(_largest(case.exact, name), 1.0):
+            passed = False     # the float16 reference is not a rounding of the float32 one: no yardstick
+        outputs.append(OutputReport(name, max_abs, max_rel, tol[0], tol[1], exact, bool(passed), noise.get(name, 0.0)))
     if bundle_dir is not None:   # the PyTorch outputs, acceptance included, for an engine to be checked against
         write_bundle(case, RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch")
                                                     for r in case.reference])]), bundle_dir)
     return GraphReport(case.name, str(case.graph), case.dtype, case.labels, outputs, bool(accuracy),
                        time.perf_counter() - start)
+
+
+# A float16 graph checked against the float32 model (GraphCase.exact) may be off by twice what the
+# float16 PyTorch model itself is off by on the same feeds: both round every layer's activations
+# to float16, in different places (ONNX Runtime's CPU computes float16 nodes in float32 and casts
+# back, PyTorch rounds after each op), and the rounding grows with depth: on a 32-layer 8B target
+# the two float16 results were 0.07 apart in the logits while the graph was 0.04 from the float32
+# model and PyTorch's float16 model 0.07. A wrong graph is off by the activations' own size.
+FP16_NOISE_FACTOR = 2.0
+FP16_NOISE_MAX = 0.05      # a float16 reference further than 5% of the outputs' size from float32 is refused
+
+
+def _largest(refs: list[dict[str, np.ndarray]], name: str) -> float:
+    return max((float(np.abs(r[name]).max()) for r in refs if r[name].size), default=0.0)
+
+
+def _largest_difference(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]], name: str) -> float:
+    return max((float(np.abs(x[name].astype(np.float64) - y[name].astype(np.float64)).max())
+                for x, y in zip(a, b) if x[name].size), default=0.0)
 
 
 def write_bundle(case: GraphCase, reference, bundle_dir: Path) -> None:

@@ -45,6 +45,7 @@ def run_parity_stage(b, out: Path) -> dict:
         iteration_case,
         report_json,
         target_case,
+        target_outputs,
     )
     cfg, models = b.cfg, b.models_on(b.device)     # the PyTorch references on the config's device
     shape = cfg.tree.shape
@@ -56,7 +57,8 @@ def run_parity_stage(b, out: Path) -> dict:
     # the iteration graph ONNX Runtime serves (serving.iteration_graph), composed of the float
     # graphs as the TensorRT-checkable one is; composed here for its check and bundle, then dropped
     iteration = b.parity_checks_iteration
-    progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized) + 2 * iteration, b.log)
+    fp16 = tdt == "float16"
+    progress = Progress("parity", len(graphs) + 1 + fp16 + 2 * len(quantized) + 2 * iteration, b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
     target = _in_dtype(models.target, tdt)
@@ -64,6 +66,11 @@ def run_parity_stage(b, out: Path) -> dict:
     tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt),
                         on_part=_parts_progress(b, target, "target reference"))
     progress.step("target reference")
+    if fp16:    # the float32 model on the same feeds: the yardstick of float16 rounding (parity.GraphCase.exact)
+        exact = _in_dtype(models.target, "float32")
+        tcase.exact = target_outputs(exact, [_float32(f) for f in tcase.feeds],
+                                     _parts_progress(b, exact, "float32 reference", passes=1))
+        progress.step("float32 reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
     if iteration:
@@ -106,6 +113,10 @@ def run_parity_stage(b, out: Path) -> dict:
     data["worst"] = {f"{g['name']}.{o['output']}": o["max_abs"] for g in data["graphs"] for o in g["outputs"]
                      if o["output"] in ("logits", "tree_scores", "tree_tokens")}
     return data
+
+
+def _float32(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feed.items()}
 
 
 def _parts_progress(b, target, label: str, passes: int = 2):
