@@ -27,13 +27,10 @@ from safetensors.torch import load_file, save_file
 from .config import ConfigError, DrafterConfig, TargetConfig, read_json
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget
+from .tensor_files import CheckpointError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not fit its partner model."""
 
 
 def cache_dir() -> Path:
@@ -126,15 +123,14 @@ def _file_namer(origin: dict[str, str]):
     return file_name
 
 
-def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
-               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
-    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
-    the file names it (`origin`: module name -> file name, from rename_tensors). assign=True
-    makes the tensors the module's own (no copy; for a module built with parameters_on_meta)."""
+def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path,
+                 optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
+    """Every expected tensor found with its shape and nothing more (both {module name: shape}),
+    naming every missing, unexpected or mis-shaped tensor as the file names it (`origin`:
+    module name -> file name, from rename_tensors)."""
     file_name = _file_namer(origin) if origin else (lambda name: name)
-    expected = {k: v for k, v in module.state_dict().items()}
-    missing = sorted(file_name(k) for k in expected if k not in tensors and k not in optional)
-    extra = sorted(file_name(k) for k in tensors if k not in expected)
+    missing = sorted(file_name(k) for k in expected if k not in found and k not in optional)
+    extra = sorted(file_name(k) for k in found if k not in expected)
     if missing or extra:
         parts = []
         if missing:
@@ -142,10 +138,19 @@ def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source
         if extra:
             parts.append(f"unexpected tensors {extra}")
         raise CheckpointError(f"{source}: " + "; ".join(parts))
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(value.shape)}, "
-                                  f"the config implies {tuple(expected[name].shape)}")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(shape)}, "
+                                  f"the config implies {tuple(expected[name])}")
+
+
+def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+               optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
+    """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
+    the file names it (check_shapes). assign=True makes the tensors the module's own (no copy;
+    for a module built with parameters_on_meta)."""
+    check_shapes({k: tuple(v.shape) for k, v in module.state_dict().items()},
+                 {k: tuple(v.shape) for k, v in tensors.items()}, source, optional, origin)
     module.load_state_dict(tensors, strict=False, assign=assign)
 
 
@@ -299,8 +304,10 @@ def check_drafter_fits(dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
         raise CheckpointError(f"{exc} ({tcfg.source} has num_hidden_layers {tcfg.num_hidden_layers})") from None
 
 
-def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | None = None) -> EagleDrafter:
-    """The drafter at `path`, fitted to `target`, on the target's device, in `dtype` (default: the target's)."""
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> EagleDrafter:
+    """The drafter at `path`, fitted to `target` (a LoadedTarget, or a StreamedTarget: then a
+    drafter that shares the target's embedding gets its own copy, read from the target's files),
+    on the target's device, in `dtype` (default: the target's)."""
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not folder.is_dir():
@@ -309,9 +316,10 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | No
     check_drafter_fits(dcfg, target.config)
     tensors, source = read_state_dict(folder)
     tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
-    drafter = EagleDrafter(dcfg)
+    with parameters_on_meta():        # no random init of weights the file replaces (an 8B vocabulary's table)
+        drafter = EagleDrafter(dcfg)
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
-        drafter.embed_tokens.weight = target.model.embed_tokens.weight
+        drafter.embed_tokens.weight = _target_embedding(target)
         drafter.embed_shared = True
     elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
         raise CheckpointError(f"{source}: tensor '{origin['embed_tokens.weight']}' has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
@@ -324,13 +332,28 @@ def load_drafter(path: str | Path, target: LoadedTarget, dtype: torch.dtype | No
             raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
                                   f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
     optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
-    load_exact(drafter, tensors, source, optional, origin)
+    streamed = hasattr(target, "read")     # a StreamedTarget: its device and dtype
+    want = dtype or (target.dtype if streamed else target.model.embed_tokens.weight.dtype)
+    # One copy of the weights at a time: each file tensor is converted, then dropped.
+    tensors = {name: tensors.pop(name).to(want) if tensors[name].is_floating_point() else tensors.pop(name)
+               for name in list(tensors)}
+    load_exact(drafter, tensors, source, optional, origin, assign=True)
+    unloaded = [name for name, p in drafter.named_parameters() if p.device.type == "meta"]
+    if unloaded:
+        raise CheckpointError(f"{source}: no weights for {unloaded[:5]}")
     _check_d2t(drafter, source)
     if "t2d" not in tensors:
         drafter.t2d.zero_()
         drafter.t2d[drafter.to_target_ids(torch.arange(dcfg.draft_vocab_size))] = True
-    w = target.model.embed_tokens.weight
-    return drafter.to(w.device, dtype or w.dtype).eval()
+    return drafter.to(target.device if streamed else target.model.embed_tokens.weight.device, want).eval()
+
+
+def _target_embedding(target) -> torch.nn.Parameter:
+    """The target's embedding table: a loaded target's own parameter (shared), a StreamedTarget's
+    read from its files (a copy: the drafter needs it whole, the target only part by part)."""
+    if hasattr(target, "read"):
+        return torch.nn.Parameter(target.read("embed_tokens.weight"), requires_grad=False)
+    return target.model.embed_tokens.weight
 
 
 def _check_d2t(drafter: EagleDrafter, source: Path) -> None:

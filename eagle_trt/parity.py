@@ -31,11 +31,14 @@ from .export.graphs import (
     DraftTreeGraph,
     DrafterStepGraph,
     TargetGraph,
+    target_graph_outputs,
     target_io_names,
 )
 from .export.iteration import HANDOFF, PREFIX, VERIFY_NODES
 from .models.drafter import EagleDrafter
+from .models.streamed import StreamedTarget, TargetCall
 from .models.target import LlamaTarget, causal_mask
+from .parity_sessions import PROVIDERS, WeightsFed, pages_dropped, parity_session  # noqa: F401 - parity's sessions
 
 # Allowed error per output kind and dtype, as (atol, rtol); an element passes when within
 # either (Polygraphy's element-wise rule). Logits use absolute bounds. The captured states and
@@ -76,6 +79,10 @@ class GraphCase:
     feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)          # "random" / "real: ..."
     reference: list[dict[str, np.ndarray]] = field(default_factory=list)
+    # A float16 graph's case may carry the float32 model's outputs on the same feeds (the same
+    # weights, computed in float32): its float outputs are then checked against those, within the
+    # table's tolerance or twice the float16 model's own distance from them (check_case).
+    exact: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +94,7 @@ class OutputReport:
     rtol: float
     exact: bool
     passed: bool
+    fp16_noise: float = 0.0    # the float16 PyTorch model's largest distance from the float32 one (case.exact)
 
 
 @dataclass
@@ -108,8 +116,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
-def _device(module: torch.nn.Module) -> torch.device:
-    """Where the module's weights are (the CPU for a module without any)."""
+def _device(module) -> torch.device:
+    """Where the module's weights are (the CPU for a module without any; a StreamedTarget's own device)."""
+    if isinstance(module, StreamedTarget):
+        return module.device
     weight = next(module.parameters(), None)
     return torch.device("cpu") if weight is None else weight.device
 
@@ -122,70 +132,110 @@ def _run(module: torch.nn.Module, feed: dict[str, np.ndarray], names: list[str])
     return {n: _np(o) for n, o in zip(names, outs)}
 
 
+def _weight_dtype(model) -> torch.dtype:
+    return model.dtype if isinstance(model, StreamedTarget) else model.embed_tokens.weight.dtype
+
+
+def target_outputs(model: LlamaTarget | StreamedTarget, feeds: list[dict[str, np.ndarray]],
+                   on_part=None) -> list[dict[str, np.ndarray]]:
+    """The target graph's outputs (TargetGraph) on each feed, computed by the PyTorch model: by a
+    StreamedTarget part by part, for all the feeds in one pass over its weights (on_part(name)
+    after each part, for progress)."""
+    _, names = target_io_names(model.cfg.num_hidden_layers)
+    if not isinstance(model, StreamedTarget):
+        module = TargetGraph(model).eval()
+        return [_run(module, f, names) for f in feeds]
+    t = [{k: torch.from_numpy(v).to(model.device) for k, v in f.items()} for f in feeds]
+    layers = range(model.cfg.num_hidden_layers)
+    calls = [TargetCall(f["input_ids"], f["position_ids"], f["attention_mask"], [f[f"past_key_{i}"] for i in layers],
+                        [f[f"past_value_{i}"] for i in layers], f["logits_index"]) for f in t]
+    outs = model.forward_many(calls, on_part=on_part)
+    with torch.no_grad():
+        return [{n: _np(o) for n, o in zip(names, target_graph_outputs(out, f["input_ids"], f["attention_mask"],
+                                                                        f["logits_index"]))}
+                for out, f in zip(outs, t)]
+
+
+def _target_feed(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, past: list,
+                 logits_index: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+    feed = {"input_ids": _np(ids), "position_ids": _np(positions), "attention_mask": _np(mask),
+            "logits_index": _np(logits_index) if logits_index is not None else np.arange(ids.shape[1], dtype=np.int64)}
+    for i, (k, v) in enumerate(past):
+        feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
+    return feed
+
+
+def _new_kv(out: dict[str, np.ndarray], layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.from_numpy(out[f"new_key_{i}"]), torch.from_numpy(out[f"new_value_{i}"])) for i in range(layers)]
+
+
 # ----------------------------------------------------------------------------- cases
 
-def target_case(model: LlamaTarget, graph: Path, dtype: str, real_prompts: list[list[int]],
-                tree_shape: TreeShape | None = None, drafter: EagleDrafter | None = None, seed: int = 0) -> GraphCase:
+def target_case(model: LlamaTarget | StreamedTarget, graph: Path, dtype: str, real_prompts: list[list[int]],
+                tree_shape: TreeShape | None = None, drafter: EagleDrafter | None = None, seed: int = 0,
+                on_part=None) -> GraphCase:
     """Random feeds (random ids, random past) and real ones: a prompt's prefill and the tree
-    verification step that follows it (past = the prefill's KV, mask = a real draft tree)."""
+    verification step that follows it (past = the prefill's KV, mask = a real draft tree). The
+    references are computed in two passes over the model (target_outputs): the prefills and
+    the random case's prefix, then the steps that start from them."""
     cfg = model.cfg
-    _, out_names = target_io_names(cfg.num_hidden_layers)
-    module = TargetGraph(model).eval()
-    case = GraphCase("target", graph, dtype)
+    L = cfg.num_hidden_layers
     gen = torch.Generator().manual_seed(seed)
-    wdt = model.embed_tokens.weight.dtype
-
-    def add(label, ids, positions, mask, past):
-        feed = {"input_ids": _np(ids), "position_ids": _np(positions), "attention_mask": _np(mask),
-                "logits_index": np.arange(ids.shape[1], dtype=np.int64)}
-        for i, (k, v) in enumerate(past):
-            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
-        case.feeds.append(feed)
-        case.labels.append(label)
-        case.reference.append(_run(module, feed, out_names))
-
+    wdt = _weight_dtype(model)
     # Random: T random tokens after a past of P random tokens (the past KV is the model's own,
     # so activations have realistic magnitudes), with a random tree-like hole in the mask.
     T, P = 7, 13
-    dev = _device(model)
-    with torch.no_grad():
-        prefix = model(torch.randint(0, cfg.vocab_size, (1, P), generator=gen).to(dev), torch.arange(P, device=dev)[None],
-                       causal_mask(P, 0, dev), *model.empty_past(device=dev))
+    prefix_ids, random_ids = (torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in (P, T))
+    batch_ids = torch.randint(0, cfg.vocab_size, (2, T), generator=gen)
+    empty = [(torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=wdt),) * 2 for _ in range(L)]
+    prefills = [_target_feed(torch.tensor([p]), torch.arange(len(p))[None], causal_mask(len(p), 0), empty)
+                for p in real_prompts]
+    first = target_outputs(model, [_target_feed(prefix_ids, torch.arange(P)[None], causal_mask(P, 0), empty,
+                                                torch.tensor([P - 1]))] + prefills, on_part)
+    prefix_kv, prefill_refs = _new_kv(first[0], L), first[1:]
+
     random_mask = causal_mask(T, P).clone()
     random_mask[0, 3, P + 1] = False
-    add("random", torch.randint(0, cfg.vocab_size, (1, T), generator=gen), torch.arange(P, P + T)[None], random_mask,
-        list(zip(prefix.new_k, prefix.new_v)))
-    for prompt in real_prompts:
-        n = len(prompt)
-        ids = torch.tensor([prompt])
-        empty = [(torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=wdt),) * 2
-                 for _ in range(cfg.num_hidden_layers)]
-        add(f"real prefill ({n} tokens)", ids, torch.arange(n)[None], causal_mask(n, 0), empty)
+    steps = [("random", _target_feed(random_ids, torch.arange(P, P + T)[None], random_mask, prefix_kv))]
+    for prompt, ref in zip(real_prompts, prefill_refs):
         if tree_shape is None or drafter is None:
             continue
-        ref = case.reference[-1]
+        n = len(prompt)
         from .tree import draft_tree
         k0, v0 = drafter.empty_past()
+        root = int(ref["logits"][0, -1].argmax())
         with torch.no_grad():
             w = drafter.fc.weight
             tree, _, _ = draft_tree(drafter, torch.from_numpy(ref["captured"]).to(w.device, w.dtype),
-                                    torch.tensor([prompt[1:] + [int(ref["logits"][0, -1].argmax())]], device=w.device),
-                                    k0, v0, tree_shape)
+                                    torch.tensor([prompt[1:] + [root]], device=w.device), k0, v0, tree_shape)
             tree = tree.to("cpu")
-        root = int(ref["logits"][0, -1].argmax())
         tids = torch.cat((torch.tensor([root]), tree.tokens))[None]
         mask = torch.cat((torch.ones(tree.size + 1, n, dtype=torch.bool), tree.mask), 1)[None]
-        kv = [(torch.from_numpy(ref[f"new_key_{i}"]), torch.from_numpy(ref[f"new_value_{i}"]))
-              for i in range(cfg.num_hidden_layers)]
-        add(f"real tree verification ({tree.size + 1} nodes after {n} tokens)", tids, (n + tree.depths)[None], mask, kv)
+        steps.append((f"real tree verification ({tree.size + 1} nodes after {n} tokens)",
+                      _target_feed(tids, (n + tree.depths)[None], mask, _new_kv(ref, L))))
     # Last, since callers take the real cases at reference[1::2]: a batch of two, the second sequence
     # with only P - 4 valid past rows (the rest masked, as a batched runtime binds a shorter
     # sequence's past) and its own tokens and positions.
     bmask = random_mask.repeat(2, 1, 1)
     bmask[1, :, P - 4:P] = False
     bpos = torch.stack((torch.arange(P, P + T), torch.arange(P - 4, P - 4 + T)))
-    add("batch of 2 (past 13 and 9 rows)", torch.randint(0, cfg.vocab_size, (2, T), generator=gen), bpos, bmask,
-        [(k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
+    steps.append(("batch of 2 (past 13 and 9 rows)",
+                  _target_feed(batch_ids, bpos, bmask, [(k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)) for k, v in prefix_kv])))
+    second = target_outputs(model, [f for _, f in steps], on_part)
+
+    case = GraphCase("target", graph, dtype)
+    verified = iter(zip(steps[1:-1], second[1:-1]))
+    order = [(steps[0][0], steps[0][1], second[0])]
+    for prompt, feed, ref in zip(real_prompts, prefills, prefill_refs):
+        order.append((f"real prefill ({len(prompt)} tokens)", feed, ref))
+        if tree_shape is not None and drafter is not None:
+            (label, vfeed), vref = next(verified)
+            order.append((label, vfeed, vref))
+    order.append((steps[-1][0], steps[-1][1], second[-1]))
+    for label, feed, ref in order:
+        case.labels.append(label)
+        case.feeds.append(feed)
+        case.reference.append(ref)
     return case
 
 
@@ -242,25 +292,37 @@ def drafter_cases(drafter: EagleDrafter, tree_shape: TreeShape, graphs: dict[str
 class IterationReference(nn.Module):
     """The iteration graph (export/iteration.py) in PyTorch: the drafter tree graph, the glue that
     builds the verification inputs from its trees and the committed lengths, the target graph,
-    and the hand-off (the accepted rows' states and tokens in the shape of the drafter's inputs)."""
+    and the hand-off (the accepted rows' states and tokens in the shape of the drafter's inputs).
+    `draft` and `handoff` are the parts before and after the target graph, so that a target read
+    part by part verifies every feed in one pass (iteration_case)."""
 
-    def __init__(self, target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape):
+    def __init__(self, target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, shape: TreeShape):
         super().__init__()
-        self.draft, self.verify = DraftTreeGraph(drafter, shape), TargetGraph(target)
+        self.drafter_tree, self.target = DraftTreeGraph(drafter, shape), target
 
-    def forward(self, captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths,
-                past_lengths, verify_nodes, *past):
-        tree = self.draft(captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths)
+    def draft(self, captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths,
+              past_lengths, verify_nodes, *past) -> tuple[tuple, dict[str, np.ndarray]]:
+        """The drafter tree graph's outputs and the target graph's feed the glue makes of them."""
+        tree = self.drafter_tree(captured, draft_ids, draft_past_key, draft_past_value, draft_past_lengths, new_lengths)
         n = int(verify_nodes.min(torch.tensor(tree[0].shape[1]))[0])    # the tree's n best: its first n nodes
         tokens, tree_mask, depths = tree[0][:, :n], tree[2][:, :n + 1, :n + 1], tree[3][:, :n + 1]
         ids = torch.cat((draft_ids.gather(1, (new_lengths - 1)[:, None]), tokens), 1)   # root: the last valid id
-        T = ids.shape[1]
         mask = verification_mask(past_lengths, past[0].shape[2], tree_mask)
-        verified = self.verify(ids, past_lengths[:, None] + depths, mask, torch.arange(T, device=ids.device), *past)
-        pad = torch.zeros(ids.shape[0], captured.shape[1], dtype=torch.int64, device=ids.device)   # paths shorter
-        path, tokens = (torch.cat((x, pad), 1)[:, :captured.shape[1]] for x in (verified[2], verified[4]))  # than Tp
-        states = verified[1].gather(1, path[:, :, None].expand(-1, -1, verified[1].shape[-1]))
-        return (*tree, ids, *verified, states.to(captured.dtype), tokens)
+        return tree, _target_feed(ids, past_lengths[:, None] + depths, mask, list(zip(past[0::2], past[1::2])))
+
+    @staticmethod
+    def handoff(tree: tuple, verify: dict[str, np.ndarray], verified: dict[str, np.ndarray], captured) -> tuple:
+        """Every output of the iteration graph, from the parts' outputs."""
+        ids = torch.from_numpy(verify["input_ids"])
+        out = [torch.from_numpy(v) for v in verified.values()]
+        pad = torch.zeros(ids.shape[0], captured.shape[1], dtype=torch.int64)   # paths shorter than Tp
+        path, tokens = (torch.cat((x, pad), 1)[:, :captured.shape[1]] for x in (out[2], out[4]))
+        states = out[1].gather(1, path[:, :, None].expand(-1, -1, out[1].shape[-1]))
+        return (*(t.cpu() for t in tree), ids, *out, states.to(captured.dtype), tokens)
+
+    def forward(self, *inputs):
+        tree, verify = self.draft(*inputs)
+        return self.handoff(tree, verify, target_outputs(self.target, [verify])[0], inputs[0])
 
 
 def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: torch.Tensor) -> torch.Tensor:
@@ -270,19 +332,22 @@ def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: tor
     return torch.cat((committed[:, None].expand(-1, tree_mask.shape[1], -1), tree_mask), 2)
 
 
-def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path, dtype: str,
-                   real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0) -> GraphCase:
+def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path,
+                   dtype: str, real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0,
+                   on_part=None) -> GraphCase:
     """The iteration graph: real feeds (the iteration after a prompt's prefill: the drafter
     encodes the prompt's captured states, the target's past is the prefill's KV; `real` are the
     target case's prefill references with their drafter ids) and a batch of two with random
-    drafter states and pasts, each sequence with its own committed and new lengths."""
+    drafter states and pasts, each sequence with its own committed and new lengths. Every feed's
+    drafter part and glue run first, then the target on all of them at once (target_outputs)."""
     cfg, c = target.cfg, drafter.cfg
-    _, target_outputs = target_io_names(cfg.num_hidden_layers)
-    names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_outputs + list(HANDOFF)
+    _, target_names = target_io_names(cfg.num_hidden_layers)
+    names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_names + list(HANDOFF)
     module = IterationReference(target, drafter, shape).eval()
     case = GraphCase("iteration", graph, dtype)
     gen = torch.Generator().manual_seed(seed)
     wdt = drafter.fc.weight.dtype
+    drafts = []      # (tree outputs, the target's feed, captured) per feed
 
     def add(label, captured, ids, draft_past, draft_lengths, new_lengths, lengths, past, nodes=shape.total_tokens):
         feed = {PREFIX + "captured": _np(captured), PREFIX + "input_ids": _np(ids), PREFIX + "past_key": _np(draft_past[0]),
@@ -293,15 +358,17 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
             feed[f"past_key_{i}"], feed[f"past_value_{i}"] = _np(k), _np(v)
         case.feeds.append(feed)
         case.labels.append(label)
-        case.reference.append(_run(module, feed, names))
+        dev = _device(drafter)
+        with torch.no_grad():
+            tree, verify = module.draft(*(torch.from_numpy(v).to(dev) for v in feed.values()))
+        drafts.append((tree, verify, captured))
 
     empty = torch.zeros(1, c.num_key_value_heads, 0, c.head_dim, dtype=wdt)
     for prefill, ids in real:
         n = len(ids)
         add(f"real (the iteration after a {n}-token prefill)", torch.from_numpy(prefill["captured"]).to(wdt),
             torch.tensor([ids]), (empty, empty), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]),
-            [(torch.from_numpy(prefill[f"new_key_{i}"]), torch.from_numpy(prefill[f"new_value_{i}"]))
-             for i in range(cfg.num_hidden_layers)])
+            _new_kv(prefill, cfg.num_hidden_layers))
     P, Pd, Tp = 13, 11, 4
     dev = _device(target)
     with torch.no_grad():
@@ -315,77 +382,13 @@ def iteration_case(target: LlamaTarget, drafter: EagleDrafter, shape: TreeShape,
     label = "batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)"
     add(label, *batch)
     add(label + ", each tree's best node alone (verify_nodes 1: paths shorter than the drafter rows)", *batch, nodes=1)
+    verified = target_outputs(target, [verify for _, verify, _ in drafts], on_part)
+    for (tree, verify, captured), out in zip(drafts, verified):
+        case.reference.append({n: _np(o) for n, o in zip(names, module.handoff(tree, verify, out, captured))})
     return case
 
 
 # ----------------------------------------------------------------------------- checking
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-
-
-def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "cpu"):
-    """An ONNX Runtime CPU session that leaves the weights where they are: without prepacking,
-    a graph's external weights stay memory-mapped from its data file (page cache, reclaimable)
-    instead of being copied into packed buffers (one more copy of a real-size target's weights
-    beside the PyTorch reference). A float16 graph runs unoptimized, and its external weights
-    are fed as inputs (WeightsFed): the CPU has no fp16 MatMul, and ONNX Runtime turns float16
-    *initializers* into float32 copies when it loads the graph (an FP8-on-fp16 build of a 0.83 B
-    target peaked at 1.89x its fp32 weights there), while a float16 *input* is cast when its node
-    runs. A parity run makes a handful of calls; their speed does not matter. provider 'cuda':
-    ONNX Runtime's CUDA execution provider (onnxruntime-gpu), the graph as it is."""
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    if provider != "cpu":
-        from .runtime.onnxruntime_backend import make_session
-        return make_session(graph, providers=PROVIDERS[provider], level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
-    so.add_session_config_entry("session.disable_prepacking", "1")
-    so.log_severity_level = 3
-    if dtype == "float16":
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        # The default order runs the weights' casts early, holding most float32 copies at once
-        # (2.5 GB for a 0.83 B target); priority order casts each near its use (0.75 GB).
-        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-        so.enable_cpu_mem_arena = False      # and gives the memory back after the call
-        return WeightsFed(Path(graph), so)
-    return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
-
-
-class WeightsFed:
-    """A session over a graph whose external float16 weights are graph inputs, fed on every call
-    as read-only memory maps of its data file (page cache, never a float32 copy). Presents the
-    graph's own inputs (get_inputs / get_outputs / run), as Polygraphy's runner expects."""
-
-    def __init__(self, graph: Path, options):
-        import onnx
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-        model = onnx.load(str(graph), load_external_data=False)
-        self.weights: dict[str, np.ndarray] = {}
-        kept = []
-        for init in model.graph.initializer:
-            if init.data_location != TensorProto.EXTERNAL:
-                kept.append(init)
-                continue
-            info = {e.key: e.value for e in init.external_data}
-            if init.data_type != TensorProto.FLOAT16:    # small non-float16 tensors: into the graph
-                kept.append(numpy_helper.from_array(numpy_helper.to_array(init, str(graph.parent)), init.name))
-                continue
-            self.weights[init.name] = np.memmap(graph.parent / info["location"], dtype=np.float16, mode="r",
-                                                offset=int(info.get("offset", 0)), shape=tuple(init.dims))
-            model.graph.input.append(helper.make_tensor_value_info(init.name, TensorProto.FLOAT16, list(init.dims)))
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-    def get_inputs(self):
-        return [i for i in self.session.get_inputs() if i.name not in self.weights]
-
-    def get_outputs(self):
-        return self.session.get_outputs()
-
-    def run(self, output_names, feeds):
-        return self.session.run(output_names, {**feeds, **self.weights})
-
 
 def graph_acceptance(feed: dict[str, np.ndarray], got) -> dict[str, np.ndarray]:
     """What a target graph's accept_* outputs must be: greedy acceptance on the graph's own logits,
@@ -441,13 +444,19 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None, provider: str = 
     runner = OnnxrtRunner(parity_session(case.graph, case.dtype, provider), name="onnxruntime")
     ort_results = Comparator.run([runner], data_loader=case.feeds)
     ort_iters = list(ort_results.values())[0]
-    expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r
-                for r, f, g in zip(case.reference, case.feeds, ort_iters)]
-    reference = RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch") for r in expected])])
-    results = RunResults(list(reference.items()) + list(ort_results.items()))
     names = list(case.reference[0])
     float_names = [n for n in names if n not in EXACT_OUTPUTS]
     tols = {n: tolerance_for(n, case.dtype, case.reference) for n in float_names}
+    noise = {}
+    if case.exact:     # floats against the float32 model, integers against the float16 one
+        noise = {n: _largest_difference(case.reference, case.exact, n) for n in float_names}
+        tols = {n: (max(t[0], FP16_NOISE_FACTOR * noise[n]), t[1]) for n, t in tols.items()}
+    compared = case.exact or case.reference
+    expected = [dict(c, **{n: r[n] for n in names if n in EXACT_OUTPUTS}) for c, r in zip(compared, case.reference)]
+    expected = [dict(r, **graph_acceptance(f, g)) if ACCEPT_OUTPUTS[0] in r else r
+                for r, f, g in zip(expected, case.feeds, ort_iters)]
+    reference = RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch") for r in expected])])
+    results = RunResults(list(reference.items()) + list(ort_results.items()))
     atol = {n: t[0] for n, t in tols.items()}
     rtol = {n: t[1] for n, t in tols.items()}
     atol.update({n: 0.0 for n in names if n in EXACT_OUTPUTS})
@@ -473,12 +482,33 @@ def check_case(case: GraphCase, bundle_dir: Path | None = None, provider: str = 
             np.all(np.abs(r[name].astype(np.float64) - np.asarray(g[name], np.float64))
                    <= tol[0] + tol[1] * np.abs(r[name].astype(np.float64)))
             for r, g in zip(expected, ort_iters))
-        outputs.append(OutputReport(name, max_abs, max_rel, tol[0], tol[1], exact, bool(passed)))
+        if name in noise and noise[name] > FP16_NOISE_MAX * max(_largest(case.exact, name), 1.0):
+            passed = False     # the float16 reference is not a rounding of the float32 one: no yardstick
+        outputs.append(OutputReport(name, max_abs, max_rel, tol[0], tol[1], exact, bool(passed), noise.get(name, 0.0)))
     if bundle_dir is not None:   # the PyTorch outputs, acceptance included, for an engine to be checked against
         write_bundle(case, RunResults([("pytorch", [IterationResult(outputs=r, runner_name="pytorch")
                                                     for r in case.reference])]), bundle_dir)
     return GraphReport(case.name, str(case.graph), case.dtype, case.labels, outputs, bool(accuracy),
                        time.perf_counter() - start)
+
+
+# A float16 graph checked against the float32 model (GraphCase.exact) may be off by twice what the
+# float16 PyTorch model itself is off by on the same feeds: both round every layer's activations
+# to float16, in different places (ONNX Runtime's CPU computes float16 nodes in float32 and casts
+# back, PyTorch rounds after each op), and the rounding grows with depth: on a 32-layer 8B target
+# the two float16 results were 0.07 apart in the logits while the graph was 0.04 from the float32
+# model and PyTorch's float16 model 0.07. A wrong graph is off by the activations' own size.
+FP16_NOISE_FACTOR = 2.0
+FP16_NOISE_MAX = 0.05      # a float16 reference further than 5% of the outputs' size from float32 is refused
+
+
+def _largest(refs: list[dict[str, np.ndarray]], name: str) -> float:
+    return max((float(np.abs(r[name]).max()) for r in refs if r[name].size), default=0.0)
+
+
+def _largest_difference(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]], name: str) -> float:
+    return max((float(np.abs(x[name].astype(np.float64) - y[name].astype(np.float64)).max())
+                for x, y in zip(a, b) if x[name].size), default=0.0)
 
 
 def write_bundle(case: GraphCase, reference, bundle_dir: Path) -> None:

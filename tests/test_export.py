@@ -4,6 +4,8 @@ The graphs are traced at one size (3 new tokens after 5 past) and run here at ot
 size that was baked in as a constant shows up as a failure."""
 from __future__ import annotations
 
+import dataclasses
+
 
 import numpy as np
 import onnx
@@ -363,6 +365,33 @@ def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tm
     assert {"drafter.tree_tokens", "logits", "accept_path", "next_captured", "next_input_ids"} <= outputs
     declared = {o.name: o.type.tensor_type.elem_type for o in onnx.load(str(iteration), load_external_data=False).graph.output}
     assert declared["next_captured"] == TensorProto.FLOAT and declared["captured"] == TensorProto.FLOAT16
+
+
+def test_fp16_graph_checked_against_the_fp32_model_within_twice_the_fp16_models_own_error(tiny_target, tmp_path):
+    """GraphCase.exact: a float16 graph's float outputs against the float32 model on the same feeds,
+    within twice the float16 PyTorch model's distance from it; a wrong graph fails, and so does a
+    float16 reference that is no rounding of the float32 one."""
+    import copy
+
+    from conftest import write_tiny_hf_target
+
+    from eagle_trt.checkpoints import load_target
+    from eagle_trt.parity import target_outputs
+    model = copy.deepcopy(tiny_target.model).half()
+    path = export_target(model, tmp_path / "target16.onnx", dtype="float16").path
+    case = target_case(model, path, "float16", [list(range(3, 30))])
+    fp32 = [{k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in f.items()} for f in case.feeds]
+    case.exact = target_outputs(tiny_target.model, fp32)
+    report = check_case(case)
+    assert report.passed, [(o.output, o.max_abs, o.atol) for o in report.outputs if not o.passed]
+    assert all(0 < o.fp16_noise for o in report.outputs if o.output in ("logits", "captured", "new_key_0"))
+    other = load_target(write_tiny_hf_target(tmp_path / "other", seed=7)).model.half()   # the wrong weights
+    wrong = export_target(other, tmp_path / "wrong.onnx", dtype="float16").path
+    failed = {o.output for o in check_case(dataclasses.replace(case, graph=wrong)).outputs if not o.passed}
+    assert {"logits", "captured"} <= failed
+    noisy = [dict(r, logits=r["logits"] * 2) for r in case.reference]
+    failed = {o.output for o in check_case(dataclasses.replace(case, reference=noisy)).outputs if not o.passed}
+    assert failed == {"logits"}
 
 
 def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):

@@ -321,9 +321,13 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     moved = tmp_path / "elsewhere" / "triton"
     shutil.copytree(m.artifact("triton"), moved)
     shutil.rmtree(m.artifact("triton"))
-    assert {p.name for p in (moved / MODEL / "1" / "graphs").iterdir()} == {   # the iteration graph: both in one
+    graphs = moved / MODEL / "1" / "graphs"
+    assert {p.name for p in graphs.iterdir()} == {   # the iteration graph: both in one
         "target.fp8.onnx", "target.fp8.onnx.data", "drafter_tree.fp8.onnx", "drafter_tree.fp8.onnx.data",
-        "iteration.onnx", "iteration.onnx.data"}
+        "iteration.onnx"}
+    from eagle_trt.export.graph_files import graph_files   # which reads the two graphs' own weights files
+    assert [p.name for p in graph_files(graphs / "iteration.onnx")] == [
+        "iteration.onnx", "drafter_tree.fp8.onnx.data", "target.fp8.onnx.data"]
     with LocalTriton(moved) as server:
         stream = Stream(server)
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.streamed import StreamedTarget
 from .store import Progress
 
 # Worst relative L2 error of any quantized MatMul against QuantLinear on the same input: a wrong
@@ -25,7 +26,11 @@ TORCH = {"float32": torch.float32, "float16": torch.float16}
 
 
 def _in_dtype(module, dtype: str):
+    """The model in `dtype`: a StreamedTarget reads its parts in it (nothing to copy); a loaded
+    module is copied when its dtype differs."""
     want = TORCH[dtype]
+    if isinstance(module, StreamedTarget):
+        return module.with_dtype(want)
     param = next(module.parameters())
     return module if param.dtype == want else copy.deepcopy(module).to(want)
 
@@ -40,6 +45,7 @@ def run_parity_stage(b, out: Path) -> dict:
         iteration_case,
         report_json,
         target_case,
+        target_outputs,
     )
     cfg, models = b.cfg, b.models_on(b.device)     # the PyTorch references on the config's device
     shape = cfg.tree.shape
@@ -51,13 +57,20 @@ def run_parity_stage(b, out: Path) -> dict:
     # the iteration graph ONNX Runtime serves (serving.iteration_graph), composed of the float
     # graphs as the TensorRT-checkable one is; composed here for its check and bundle, then dropped
     iteration = b.parity_checks_iteration
-    progress = Progress("parity", len(graphs) + 1 + 2 * len(quantized) + 2 * iteration, b.log)
+    fp16 = tdt == "float16"
+    progress = Progress("parity", len(graphs) + 1 + fp16 + 2 * len(quantized) + 2 * iteration, b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
-    target = _in_dtype(models.target.model, tdt)
+    target = _in_dtype(models.target, tdt)
     drafter = _in_dtype(models.drafter, ddt)
-    tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt))
+    tcase = target_case(target, graphs["target"], tdt, prompts, shape, _in_dtype(models.drafter, tdt),
+                        on_part=_parts_progress(b, target, "target reference"))
     progress.step("target reference")
+    if fp16:    # the float32 model on the same feeds: the yardstick of float16 rounding (parity.GraphCase.exact)
+        exact = _in_dtype(models.target, "float32")
+        tcase.exact = target_outputs(exact, [_float32(f) for f in tcase.feeds],
+                                     _parts_progress(b, exact, "float32 reference", passes=1))
+        progress.step("float32 reference")
     real = [(c["captured"], p[1:] + [int(c["logits"][0, -1].argmax())]) for c, p in zip(tcase.reference[1::2], prompts)]
     cases = [tcase] + drafter_cases(drafter, shape, {g: p for g, p in graphs.items() if g != "target"}, ddt, real)
     if iteration:
@@ -65,11 +78,12 @@ def run_parity_stage(b, out: Path) -> dict:
         composed = compose_iteration(graphs["target"], graphs["drafter_tree"], out / "iteration" / "iteration.onnx")
         progress.step(f"iteration graph composed in {composed.seconds:.1f}s")
         cases.append(iteration_case(target, drafter, shape, composed.path, "float16" if "float16" in (tdt, ddt) else tdt,
-                                    [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)]))
-    # Every float reference is computed: the fake-quant references are made from the float models
-    # in place (each quantized Linear's float weight goes as its FP8 / FP4 one is made), and the
-    # rest of the float weights go before ONNX Runtime maps the graphs', so a real-size target is
-    # never in memory twice (issue 21). The released models are loaded again where needed.
+                                    [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)],
+                                    on_part=_parts_progress(b, target, "iteration reference", passes=1)))
+    # Every float reference is computed (the target's part by part: models/streamed.py); the
+    # fake-quant references are the float models made quantized: the target read part by part with
+    # its Linears swapped as each part is read, a drafter in place. The drafter goes before ONNX
+    # Runtime maps the graphs' weights.
     try:
         references = {m: _fake_quant_reference(b, m, target if m == "target" else drafter) for m in quantized}
     finally:
@@ -101,14 +115,32 @@ def run_parity_stage(b, out: Path) -> dict:
     return data
 
 
+def _float32(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feed.items()}
+
+
+def _parts_progress(b, target, label: str, passes: int = 2):
+    """A progress callback for the reference passes over a StreamedTarget's parts (at most a line
+    every 10 s, with an ETA); None for a loaded model."""
+    if not isinstance(target, StreamedTarget):
+        return None
+    bar = Progress("parity", passes * len(target.parts()), b.log, label, every=10.0)
+    return lambda part: bar.step(part)
+
+
 def _fake_quant_reference(b, model: str, module):
     """`module` (the float model of 'target' or 'drafter', in its precision's dtype) made the
-    fake-quant reference in place: its quantized Linears hold FP8 / FP4 weights, not float ones."""
+    fake-quant reference: its quantized Linears hold FP8 / FP4 weights, not float ones (a
+    StreamedTarget's as each part is read; a loaded module's in place)."""
     from ..quant import QuantConfig, load_calibration, quantize_model
     p = getattr(b.cfg.precision, model)
     source = b.path("quantize", f"{model}.amax.json")
-    quantize_model(module, QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip)),
-                   load_calibration(source), source=str(source))
+    cfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
+    if isinstance(module, StreamedTarget):
+        module = module.with_dtype(module.dtype)
+        module.fake_quant = (cfg, load_calibration(source), str(source))
+        return module
+    quantize_model(module, cfg, load_calibration(source), source=str(source))
     return module.eval()
 
 
@@ -117,8 +149,8 @@ def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, pr
     and a bundle of the float case's feeds with the fake-quant model's outputs as reference."""
     from polygraphy.comparator import IterationResult, RunResults
 
-    from ..export.graphs import DraftTreeGraph, TargetGraph
-    from ..parity import GraphCase, _run, write_bundle
+    from ..export.graphs import DraftTreeGraph
+    from ..parity import GraphCase, _run, target_outputs, write_bundle
     from ..quant import layer_parity
     p = getattr(b.cfg.precision, model)
     graph_name = "target" if model == "target" else "drafter_tree"
@@ -129,10 +161,12 @@ def _quantized_parity(b, model: str, reference, float_case, bundle_dir: Path, pr
     worst = max(layers, key=lambda r: r.rel_l2)
     progress.step(f"{graph.name}: {len(layers)} quantized MatMuls, worst rel L2 {worst.rel_l2:.2e}")
 
-    wrapper = TargetGraph(reference) if model == "target" else DraftTreeGraph(reference, b.cfg.tree.shape)
     names = list(float_case.reference[0])
-    case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels,
-                     [_run(wrapper.eval(), f, names) for f in float_case.feeds])
+    if model == "target":
+        outputs = target_outputs(reference, float_case.feeds, _parts_progress(b, reference, "fake-quant reference", 1))
+    else:
+        outputs = [_run(DraftTreeGraph(reference, b.cfg.tree.shape).eval(), f, names) for f in float_case.feeds]
+    case = GraphCase(f"{graph_name}.{p.format}", graph, p.dtype, float_case.feeds, float_case.labels, outputs)
     write_bundle(case, RunResults([("pytorch-fakequant", [IterationResult(outputs=r, runner_name="pytorch-fakequant")
                                                           for r in case.reference])]), bundle_dir)
     progress.step(f"{case.name} bundle")

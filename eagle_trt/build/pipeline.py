@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import gc
 import hashlib
 import json
@@ -42,9 +43,10 @@ DEPENDS = {"validate": (), "export": ("validate",), "quantize": ("validate", "ex
            "triton": ("validate", "export", "quantize", "engines")}
 # The module that does each stage's work: the hash of its code and of what it imports from the
 # package is part of the stage's key (codehash.py), so a stage made by other code is made again.
-STAGE_CODE = {"validate": "eagle_trt.checkpoints", "export": "eagle_trt.export.onnx_export",
-              "quantize": "eagle_trt.build.quantize", "parity": "eagle_trt.build.checks",
-              "engines": "eagle_trt.build.engines", "triton": "eagle_trt.build.triton"}
+STAGE_CODE = {"validate": ("eagle_trt.checkpoints", "eagle_trt.tensor_files"),
+              "export": ("eagle_trt.export.onnx_export", "eagle_trt.models.streamed"),
+              "quantize": ("eagle_trt.build.quantize",), "parity": ("eagle_trt.build.checks",),
+              "engines": ("eagle_trt.build.engines",), "triton": ("eagle_trt.build.triton",)}
 
 
 class BuildError(ConfigError):
@@ -103,7 +105,7 @@ class Build:
 
     def run(self, name: str, selected: bool, key_data: dict, fn: Callable[[Path], dict],
             skip_reason: str | None = None) -> StageResult:
-        key = sha256_json({"stage": name, "code": code_digest(STAGE_CODE[name]), **key_data})
+        key = sha256_json({"stage": name, "code": code_digest(*STAGE_CODE[name]), **key_data})
         rec = self.store.record(name)
         if rec is not None and rec.key == key and not (self.force and selected):
             problem = self.store.valid(rec)
@@ -132,8 +134,14 @@ class Build:
             shutil.rmtree(tmp, ignore_errors=True)
             self.store.drop(name)
             return self._done(StageResult(name, "skipped", skip.reason, time.perf_counter() - start, key))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)     # nothing half-written stays behind
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise BuildError(f"{self.store.root}: the {name} stage stopped: {exc}; free space on that file system "
+                                 f"and run the build again (completed stages are kept)") from None
+            from ..export.graph_files import DiskFull
+            if isinstance(exc, DiskFull):
+                raise DiskFull(f"the {name} stage stopped: {exc}") from None
             raise
         rec = self.store.commit(name, tmp, key, info, time.perf_counter() - start)
         return self._done(StageResult(name, "ran", "", rec.seconds, key, rec.artifacts, rec.info))
@@ -152,6 +160,17 @@ class Build:
                 root, why = r.info["stage"], r.info["why"]
                 raise BuildError(f"{self.store.root}: stage '{stage}' needs the {root} stage's artifacts ({why}); "
                                  f"add {root} to --stages or drop --stages")
+
+    def _weights_progress(self):
+        """A callback for export_target: a progress line (at most every 10 s) with an ETA as the
+        target's weights are written."""
+        bar: list[Progress] = []
+
+        def written(done: int, total: int, name: str) -> None:
+            if not bar:
+                bar.append(Progress("export", total, self.log, "target.onnx weights", every=10.0))
+            bar[0].step(name)
+        return written
 
     def path(self, stage: str, rel: str) -> Path:
         return self.store.stage_dir(stage) / rel
@@ -172,29 +191,40 @@ class Build:
             raise BuildConfigError(f"{self.cfg.source}: device: {exc}") from None
 
     def models_on(self, device):
-        """The models, moved to `device` (in place: one copy of the weights, wherever it is)."""
+        """The models on `device`: the drafter moved there (in place), the target read there part
+        by part as it is needed."""
+        import torch
         m = self.models
-        m.target.model.to(device)
+        m.target.device = torch.device(device)
         m.drafter.to(device)
         return m
 
     @property
     def models(self):
+        """The target as a StreamedTarget (its weights stay in the checkpoint's files and are read a
+        part at a time: an 8B target is never in memory, models/streamed.py) and the drafter,
+        loaded, with its own copy of the target's embedding when it shares it."""
         if self._models is None:
-            from ..api import prepare_models
+            import torch
+
+            from ..api import Models
+            from ..checkpoints import load_drafter
+            from ..models.streamed import StreamedTarget
+            start = time.perf_counter()
             r = self.resolved
             dtypes = {self.cfg.precision.target.dtype, self.cfg.precision.drafter.dtype}
-            models = prepare_models(r["target"]["folder"], r["drafter"]["folder"],
-                                    "float32" if "float32" in dtypes else "float16", self.log)
+            target = StreamedTarget(r["target"]["folder"], torch.float32 if "float32" in dtypes else torch.float16)
             capture = CaptureLayers(tuple(r["capture"]["streams"]), "layer_input")
-            models.drafter.cfg.capture = capture
-            models.target.model.set_capture(capture)
-            models.drafter_source = r["drafter"]["label"]
-            self._models = models
+            target.set_capture(capture)
+            drafter = load_drafter(r["drafter"]["folder"], target)
+            drafter.cfg.capture = capture
+            self._models = Models(target, drafter, r["drafter"]["label"], target.tokenizer())
+            self.say(f"  target {target.describe()}; drafter {r['drafter']['label']} loaded in "
+                     f"{time.perf_counter() - start:.1f}s")
         return self._models
 
     def release_models(self) -> None:
-        """Drop the PyTorch models; a later stage that needs them loads them again."""
+        """Drop the drafter (the target holds no weights); a later stage that needs them loads them again."""
         self._models = None
         gc.collect()
 
@@ -206,6 +236,10 @@ class Build:
         cfg = self.cfg
         folder = resolve_target(cfg.target.source)
         tcfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
+        # every weights file read as far as its header: a missing or truncated shard, or a tensor
+        # that does not fit the config, is named now rather than minutes into a later stage
+        from ..models.streamed import StreamedTarget
+        StreamedTarget(folder, device="cpu")
         drafter = None if cfg.drafter.source == "default" else Path(cfg.drafter.source)
         if drafter is None:
             drafter = default_drafter_path(cfg.target.source)
@@ -283,6 +317,7 @@ class Build:
 
     def export(self, selected: bool) -> StageResult:
         from ..export import GRAPH_FORMAT, export_drafter_step, export_drafter_tree, export_target
+        from ..export.onnx_export import DTYPES
         cfg = self.cfg
         key = {"upstream": self.upstream("export"), "tree": cfg.section("tree"),
                "dtypes": [cfg.precision.target.dtype, cfg.precision.drafter.dtype],
@@ -291,7 +326,7 @@ class Build:
         def run(tmp: Path) -> dict:
             m, shape = self.models_on("cpu"), cfg.tree.shape      # traced on the CPU: the graph is the same
             tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
-            jobs = [("target", lambda p: export_target(m.target.model, p, tdt)),
+            jobs = [("target", lambda p: export_target(m.target.with_dtype(DTYPES[tdt]), p, tdt, self._weights_progress())),
                     ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt))]
             if cfg.outputs.step_graphs:
                 jobs += [("drafter_step_first", lambda p: export_drafter_step(m.drafter, p, True, ddt)),
@@ -444,7 +479,12 @@ def build(config: BuildConfig, output: str | Path | None = None, stages: list[st
         error = exc
         raise
     finally:
-        manifest = _write_manifest(b, time.perf_counter() - start, error)
+        try:
+            manifest = _write_manifest(b, time.perf_counter() - start, error)
+        except OSError as exc:     # a full disk: the stage's own error is the one to report
+            if error is None:
+                raise
+            b.say(f"  (manifest.json not written: {exc})")
     if log is not None:
         print(summary_table(manifest), file=log)
     return manifest

@@ -21,12 +21,13 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     """Write `<model>.<format>.onnx` and `<model>.amax.json` into `out` for each model whose
     precision is fp8 / nvfp4; returns {model: summary}. `graphs` maps 'target' /
     'drafter_tree' to the float graphs of the export stage. Every model is calibrated first;
-    then `release()` (when given) drops the PyTorch models, so the graph rewrites, which read
-    the float graphs' weights one by one, never hold them beside a real-size model."""
+    then `release()` (when given) drops the PyTorch models. A StreamedTarget (the build's) is
+    calibrated part by part, every prompt through each part in turn."""
     from ..quant import (
         calibrate_drafter,
         calibrate_target,
         calibration_prompts,
+        calibration_steps,
         linear_paths,
         quantize_onnx,
         save_calibration,
@@ -37,19 +38,21 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     prompts = calibration_prompts(models.tokenizer, cfg.calibration.prompts, cfg.calibration.max_tokens,
                                   Path(cfg.calibration.path) if cfg.calibration.path else None)
     ids = [p for _, p in prompts]
+    target = _calibration_target(models.target)
     calibrated = {}
     for name, graph in todo:
-        prompt_done = Progress(f"calibrate {name}", len(ids), log).step   # one line per prompt, with an ETA
+        # a line per part of the target (or per prompt), with an ETA
+        step = Progress(f"calibrate {name}", calibration_steps(target, ids), log, f"{len(ids)} prompts", every=10.0).step
         if name == "target":
-            module = models.target.model
-            amax = calibrate_target(module, ids, prompt_done)
+            module = target.model      # its Linears, which the calibration hooks (no weights)
+            amax = calibrate_target(target, ids, step)
         else:
             module = models.drafter
-            amax = calibrate_drafter(module, models.target.model, ids, cfg.tree.shape, prompt_done)
+            amax = calibrate_drafter(module, target, ids, cfg.tree.shape, step)
         # module paths only: holding the Linears would keep the float weights through the rewrites
         calibrated[name] = (amax, save_calibration(out / f"{name}.amax.json", amax), list(linear_paths(module)))
         progress.step(f"calibrated {name} on {len(ids)} prompts")
-    del models, module
+    del models, module, target
     if release is not None:
         release()
     summaries = {}
@@ -57,13 +60,32 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
         precision = getattr(cfg.precision, name)
         amax, calib, paths = calibrated[name]
         dst = out / f"{graph}.{precision.format}.onnx"
+        bar = []     # a line at most every 10 s, with an ETA, as the MatMuls are rewritten
+
+        def rewritten(done: int, total: int, what: str = dst.name) -> None:
+            if not bar:
+                bar.append(Progress("quantize", total, log, f"{what} MatMuls", every=10.0))
+            bar[0].step()
         summary = quantize_onnx(graphs[graph], dst, quant_config(precision, f"{cfg.source}: precision.{name}"),
-                                amax, paths, source=str(calib))
+                                amax, paths, source=str(calib), on_matmul=rewritten)
         progress.step(f"{dst.name}: {len(summary.quantized)} MatMuls quantized, {len(summary.skipped)} kept")
         summaries[name] = {"graph": dst.name, "calibration": calib.name, "format": precision.format,
                            "prompts": len(ids), "quantized": len(summary.quantized),
                            "skipped": sorted(set(summary.skipped.values()))}
     return summaries
+
+
+def _calibration_target(target):
+    """The target calibration runs: on the CPU a float16 StreamedTarget is read as float32 (PyTorch's
+    float16 matmuls there run ~5x slower than float32 ones: an 8B target's calibration would take
+    over an hour on two cores); the statistic, each Linear's largest input, is the same to float16's
+    rounding, and the graph and its fake-quant reference are made from the one recorded."""
+    import torch
+
+    from ..models.streamed import StreamedTarget
+    if isinstance(target, StreamedTarget) and target.device.type == "cpu" and target.dtype == torch.float16:
+        return target.with_dtype(torch.float32)
+    return target
 
 
 __all__ = ["quant_config", "quantize_graphs"]

@@ -158,21 +158,30 @@ class Store:
 
 class Progress:
     """Percent lines on stderr for long stages, with the time so far and, until the last step, the
-    time left at the pace so far: `  export [##########..........] 1/2 (50%) target.onnx 12.0s, ~12s left`."""
+    time left at the pace so far: `  export [##########..........] 1/2 (50%) target.onnx 12.0s, ~12s left`.
+    label: what is counted, when not the stage's steps; every: at most one line per that many
+    seconds (the last step always prints)."""
 
-    def __init__(self, stage: str, total: int, stream: TextIO | None = sys.stderr):
+    def __init__(self, stage: str, total: int, stream: TextIO | None = sys.stderr, label: str = "",
+                 every: float = 0.0):
         self.stage, self.total, self.done, self.stream = stage, max(total, 1), 0, stream
+        self.label, self.every, self.printed = label, every, float("-inf")
         self.start = time.perf_counter()
 
     def step(self, what: str = "") -> None:
         self.done += 1
-        if self.stream is not None:
-            pct = 100 * self.done // self.total
-            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
-            spent = time.perf_counter() - self.start
-            left = f", ~{spent / self.done * (self.total - self.done):.0f}s left" if self.done < self.total else ""
-            print(f"  {self.stage:<9} [{bar}] {self.done}/{self.total} ({pct}%) {what} {spent:.1f}s{left}",
-                  file=self.stream, flush=True)
+        if self.stream is None:
+            return
+        spent = time.perf_counter() - self.start
+        if self.done < self.total and spent - self.printed < self.every:
+            return
+        self.printed = spent
+        pct = 100 * self.done // self.total
+        bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+        left = f", ~{spent / self.done * (self.total - self.done):.0f}s left" if self.done < self.total else ""
+        label = f"{self.label} " if self.label else ""
+        print(f"  {self.stage:<9} [{bar}] {label}{self.done}/{self.total} ({pct}%) {what} {spent:.1f}s{left}",
+              file=self.stream, flush=True)
 
 
 def human_bytes(n: int) -> str:

@@ -7,10 +7,14 @@ file per tensor, named after exporter internals). `graph_files` lists what a gra
 copying it (the Triton repository) and for checking it (`check_graph_files`)."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
+from onnx import helper
 from google.protobuf.message import EncodeError
 from onnx.external_data_helper import uses_external_data
 
@@ -25,6 +29,10 @@ MIN_EXTERNAL_TENSOR = 1024       # smaller tensors stay inside the graph
 
 class GraphFileError(ValueError):
     pass
+
+
+class DiskFull(GraphFileError):
+    """A graph file could not be written: its file system is full (`writing`)."""
 
 
 def external_data_threshold() -> int:
@@ -49,7 +57,60 @@ def proto_bytes(model: onnx.ModelProto) -> int:
         return 1 << 31
 
 
-def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path | None = None) -> list[Path]:
+@contextmanager
+def writing(path: str | Path):
+    """Turn a full disk (or a file size limit) while writing `path` into an error naming the file,
+    how far it got and where space is needed: the build's stage folders are written whole or not
+    at all (build/store.py), so the rerun after freeing space resumes at the stage that failed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        path = Path(path)
+        size = path.stat().st_size if path.is_file() else 0
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = 0
+        raise DiskFull(f"{path}: {exc.strerror} after writing {size / 1e9:.2f} GB of this file ({free / 1e9:.2f} GB "
+                       f"free on its file system); free space there and run the build again (completed stages "
+                       f"are kept, the unfinished one starts over)") from None
+
+
+class DataFile:
+    """A graph's weights file written a tensor at a time: each tensor's bytes are appended and the
+    tensor is pointed there, so the graph in memory never holds them."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.offset, self.names = Path(path), 0, set()
+        self._file = open(self.path, "wb")
+
+    def append(self, tensor: onnx.TensorProto, blocks) -> onnx.TensorProto:
+        """Write `blocks` (bytes-like objects: a tensor's bytes in order) and point `tensor` at them."""
+        size = 0
+        with writing(self.path):
+            for block in blocks:
+                self._file.write(block)
+                size += memoryview(block).nbytes
+        point_to_data(tensor, self.path, self.offset, size)
+        self.offset += size
+        self.names.add(tensor.name)
+        return tensor
+
+    def close(self) -> None:
+        with writing(self.path):
+            self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+
+def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path | None = None,
+               data: DataFile | None = None, share_data: bool = False) -> list[Path]:
     """Write `model` to `path`, with its weights in `path.data` when the graph is past the
     threshold; returns the files written (the graph first).
 
@@ -57,19 +118,34 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     load_external_data=False)) from a graph in this folder, e.g. the exporter's one file per
     tensor: those tensors are copied one at a time into `path.data`, so the weights are never
     all in memory (a real-size target would otherwise be, once more, beside the PyTorch model);
-    tensors made in memory since (a quantized graph's new weights) go into the same file."""
+    tensors made in memory since (a quantized graph's new weights) go into the same file.
+    data: `path.data` already open, holding tensors written as they were made (the caller closes
+    it); the rest is appended. share_data: the external tensors keep their weights files, hard-
+    linked beside `path` (no copy: the iteration graph reads the target graph's own weights
+    file); copied where a hard link cannot be made."""
     path = Path(path)
-    data = path.with_name(data_file_name(path))
-    if data.exists():
-        data.unlink()   # onnx appends to an existing data file
-    if source_dir is not None and any(uses_external_data(t) for t in _tensors(model)):
-        _copy_external_data(model, Path(source_dir), data)
-        onnx.save(model, str(path))
-        return [path, data]
+    data_path = path.with_name(data_file_name(path))
+    if data is None and data_path.exists():
+        data_path.unlink()   # onnx appends to an existing data file
+    external = source_dir is not None and any(uses_external_data(t) for t in _tensors(model))
+    if external or data is not None:
+        own = data if data is not None else DataFile(data_path)
+        try:
+            linked = _write_external_data(model, Path(source_dir) if source_dir else None, own, share_data)
+        finally:
+            if data is None:
+                own.close()
+        with writing(path):
+            onnx.save(model, str(path))
+        if own.offset == 0 and data is None:
+            data_path.unlink()
+            return [path] + linked
+        return [path, data_path] + linked
     external = proto_bytes(model) > external_data_threshold()
-    onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-              location=data.name, size_threshold=MIN_EXTERNAL_TENSOR)
-    return [path, data] if data.exists() else [path]     # no data file when no tensor is large enough
+    with writing(path):
+        onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                  location=data_path.name, size_threshold=MIN_EXTERNAL_TENSOR)
+    return [path, data_path] if data_path.exists() else [path]     # no data file when no tensor is large enough
 
 
 def point_to_data(tensor: onnx.TensorProto, data: Path, offset: int, size: int) -> None:
@@ -79,33 +155,46 @@ def point_to_data(tensor: onnx.TensorProto, data: Path, offset: int, size: int) 
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def _copy_external_data(model: onnx.ModelProto, source_dir: Path, data: Path, chunk: int = 64 << 20) -> None:
-    """Append every external tensor of `model` (read from source_dir, in chunks) and every large
-    initializer held in memory to `data`, and point the tensor there."""
-    offset, moved = 0, set()
-    with open(data, "wb") as out:
-        for tensor in model.graph.initializer:
-            if not uses_external_data(tensor) and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
-                out.write(tensor.raw_data)
-                point_to_data(tensor, data, offset, len(tensor.raw_data))
-                offset += len(tensor.raw_data)
-                tensor.ClearField("raw_data")
-                moved.add(tensor.name)
-        for tensor in _tensors(model):
-            if not uses_external_data(tensor) or tensor.name in moved:
+def _write_external_data(model: onnx.ModelProto, source_dir: Path | None, data: DataFile,
+                         share: bool) -> list[Path]:
+    """Append every large initializer held in memory and every external tensor of `model` (read
+    from source_dir, in chunks) to `data`, and point the tensor there; with `share`, an external
+    tensor keeps its weights file where that file can be hard-linked beside `data`. Returns the
+    files linked."""
+    for tensor in model.graph.initializer:
+        if not uses_external_data(tensor) and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
+            data.append(tensor, [tensor.raw_data])
+            tensor.ClearField("raw_data")
+    linked: dict[str, Path | None] = {}
+    for tensor in _tensors(model):
+        if not uses_external_data(tensor) or tensor.name in data.names:
+            continue
+        if share:
+            location = _location(tensor, source_dir)
+            if location.name not in linked:
+                linked[location.name] = _link_beside(source_dir / location, data.path.parent)
+            if linked[location.name] is not None:
                 continue
-            size = 0
-            for block in _external_blocks(tensor, source_dir, chunk):
-                out.write(block)
-                size += len(block)
-            point_to_data(tensor, data, offset, size)
-            offset += size
+        data.append(tensor, _external_blocks(tensor, source_dir))
+    return [p for p in linked.values() if p is not None]
+
+
+def _link_beside(src: Path, folder: Path) -> Path | None:
+    """`src` hard-linked into `folder` under its name (or already there); None where it cannot be."""
+    dst = folder / src.name
+    try:
+        if dst.exists():
+            return dst if os.path.samefile(src, dst) else None
+        os.link(src, dst)
+        return dst
+    except OSError:
+        return None
 
 
 def load_weights(model: onnx.ModelProto, source_dir: str | Path) -> None:
     """Read every external tensor of `model` (loaded with load_external_data=False from a graph in
     source_dir) into the graph. onnx.load refuses a data file with several hard links, which is
-    how a Triton repository shares a build's graphs: this reads them as _copy_external_data does."""
+    how a Triton repository shares a build's graphs: this reads them as save_graph does."""
     for tensor in _tensors(model):
         if uses_external_data(tensor):
             tensor.raw_data = b"".join(_external_blocks(tensor, Path(source_dir)))
@@ -113,14 +202,18 @@ def load_weights(model: onnx.ModelProto, source_dir: str | Path) -> None:
             tensor.data_location = onnx.TensorProto.DEFAULT
 
 
+def _location(tensor: onnx.TensorProto, source_dir: Path) -> Path:
+    location = Path({e.key: e.value for e in tensor.external_data}["location"])
+    if location.is_absolute() or ".." in location.parts:
+        raise GraphFileError(f"tensor {tensor.name!r}: external data location {str(location)!r} is outside "
+                             f"the graph's folder {source_dir}")
+    return location
+
+
 def _external_blocks(tensor: onnx.TensorProto, source_dir: Path, chunk: int = 64 << 20):
     """The bytes of an external tensor, in blocks of at most `chunk`."""
     info = {e.key: e.value for e in tensor.external_data}
-    location = Path(info["location"])
-    if location.is_absolute() or ".." in location.parts:
-        raise GraphFileError(f"tensor {tensor.name!r}: external data location {info['location']!r} is outside "
-                             f"the graph's folder {source_dir}")
-    src = source_dir / location
+    src = source_dir / _location(tensor, source_dir)
     start, length = int(info.get("offset", 0)), info.get("length")
     left = int(length) if length is not None else src.stat().st_size - start
     size = left
@@ -175,6 +268,21 @@ def graph_files(path: str | Path) -> list[Path]:
     return [Path(path)] + sorted(external_references(path))
 
 
+def check_structure(model: onnx.ModelProto) -> None:
+    """onnx.checker on the graph with its initializers as graph inputs of their type and shape:
+    nodes, types and opsets are checked whatever the weights' size and wherever they are (the
+    checker refuses a weights file with several hard links, which a graph sharing another's
+    weights file has)."""
+    g = model.graph
+    inputs = {i.name for i in g.input}
+    weights = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer
+               if t.name not in inputs]
+    skeleton = helper.make_model(helper.make_graph(list(g.node), g.name, list(g.input) + weights, list(g.output),
+                                                   value_info=list(g.value_info)),
+                                 opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    onnx.checker.check_model(skeleton)
+
+
 def check_graph_files(path: str | Path) -> None:
     """Raise GraphFileError naming the file when a graph's weight file is missing or too short."""
     for location, end in external_references(path).items():
@@ -185,5 +293,6 @@ def check_graph_files(path: str | Path) -> None:
                                  f"reads up to byte {end} (truncated or replaced)")
 
 
-__all__ = ["EXTERNAL_DATA_BYTES", "GraphFileError", "check_graph_files", "data_file_name", "external_data_threshold",
+__all__ = ["EXTERNAL_DATA_BYTES", "DataFile", "DiskFull", "GraphFileError", "writing", "check_graph_files",
+           "check_structure", "data_file_name", "external_data_threshold",
            "external_references", "graph_files", "install_graph", "proto_bytes", "save_graph"]

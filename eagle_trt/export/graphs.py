@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..config import TreeShape
 from ..models.drafter import EagleDrafter
-from ..models.target import LlamaTarget
+from ..models.target import LlamaTarget, TargetOutput
 from ..tree import draft_trees
 from ..verify import accept_greedy_batch
 
@@ -62,6 +62,12 @@ def greedy_accept(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, log
     return accept_greedy_batch(logits.argmax(-1), input_ids.index_select(1, logits_index), tree)
 
 
+def target_graph_outputs(out: TargetOutput, input_ids: Tensor, attention_mask: Tensor, logits_index: Tensor) -> tuple:
+    """The target graph's outputs (target_io_names) from the model's output on its inputs."""
+    kv = [t for pair in zip(out.new_k, out.new_v) for t in pair]
+    return (out.logits, out.captured, *greedy_accept(out.logits, input_ids, attention_mask, logits_index), *kv)
+
+
 class TargetGraph(nn.Module):
     def __init__(self, model: LlamaTarget):
         super().__init__()
@@ -70,8 +76,7 @@ class TargetGraph(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, logits_index: Tensor,
                 *past: Tensor):
         out = self.model(input_ids, position_ids, attention_mask, list(past[0::2]), list(past[1::2]), logits_index)
-        kv = [t for pair in zip(out.new_k, out.new_v) for t in pair]
-        return (out.logits, out.captured, *greedy_accept(out.logits, input_ids, attention_mask, logits_index), *kv)
+        return target_graph_outputs(out, input_ids, attention_mask, logits_index)
 
 
 DRAFT_TREE_INPUTS = ["captured", "input_ids", "past_key", "past_value", "past_lengths", "new_lengths"]

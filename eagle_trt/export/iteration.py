@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph_files import install_graph, load_weights, save_graph
+from .graph_files import check_graph_files, check_structure, install_graph, load_weights, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
 
@@ -150,12 +150,27 @@ def _prefix_dims(graph: onnx.GraphProto) -> None:
                 dim.dim_param = PREFIX + dim.dim_param
 
 
+def _copy(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(value)
+    return out
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.parent.samefile(b.parent)
+    except OSError:
+        return False
+
+
 def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: str | Path,
                       tensorrt: bool = True) -> ExportedGraph:
     """Write the iteration graph of a target graph and a drafter tree graph to `path`
     (atomically; checked against TensorRT's parser op set unless `tensorrt` is False: the int8
-    drafter graphs are ONNX Runtime's alone). The target's weights are copied from its files
-    tensor by tensor (never all in memory); the drafter's are small and loaded."""
+    drafter graphs are ONNX Runtime's alone). The target's weights are read from its own weights
+    file, hard-linked beside the iteration graph (copied tensor by tensor where a link cannot be
+    made: never all in memory); so are the drafter's where its graph is in the target's folder,
+    else they are loaded (a drafter is small)."""
     start = time.perf_counter()
     target_path, drafter_path, path = Path(target_path), Path(drafter_path), Path(path)
     for p in (target_path, drafter_path):
@@ -163,7 +178,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
             raise FileNotFoundError(f"{p}: ONNX graph not found")
     target = onnx.load(str(target_path), load_external_data=False)
     drafter = onnx.load(str(drafter_path), load_external_data=False)
-    load_weights(drafter, drafter_path.parent)     # also from a repository's hard-linked data files
+    if not _same_folder(drafter_path, target_path):  # its weights file can be shared only beside the target's
+        load_weights(drafter, drafter_path.parent)   # also from a repository's hard-linked data files
     t_in, t_out = _io(target.graph)
     d_in, d_out = _io(drafter.graph)
     for name in (*TARGET_FED, "past_key_0", "logits", "captured", "accept_path"):
@@ -194,28 +210,40 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     handoff, handoff_consts = _handoff_nodes(widths[0], d_type if d_type != t_type else None)
     rows = d_in["captured"].type.tensor_type.shape.dim[1]
     rows = rows.dim_value if rows.HasField("dim_value") else rows.dim_param    # prefixed by _prefix_dims
-    graph = helper.make_graph(
-        [*drafter.graph.node, *glue, *target.graph.node, *handoff], "eagle_trt_iteration",
-        [*drafter.graph.input, helper.make_tensor_value_info("past_lengths", TensorProto.INT64, ["batch"]),
-         helper.make_tensor_value_info(VERIFY_NODES, TensorProto.INT64, [1]),
-         *(i for i in target.graph.input if i.name not in TARGET_FED)],
-        [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
-         *target.graph.output, helper.make_tensor_value_info("next_captured", d_type, ["batch", rows, widths[0]]),
-         helper.make_tensor_value_info("next_input_ids", TensorProto.INT64, ["batch", rows])],
-        [*drafter.graph.initializer, *consts, *handoff_consts, *target.graph.initializer])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
-                              ir_version=max(target.ir_version, drafter.ir_version),
-                              producer_name="eagle_trt", doc_string=__doc__.split("\n\n")[0])
+    inputs = [*drafter.graph.input, helper.make_tensor_value_info("past_lengths", TensorProto.INT64, ["batch"]),
+              helper.make_tensor_value_info(VERIFY_NODES, TensorProto.INT64, [1]),
+              *(i for i in target.graph.input if i.name not in TARGET_FED)]
+    outputs = [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
+               *target.graph.output, helper.make_tensor_value_info("next_captured", d_type, ["batch", rows, widths[0]]),
+               helper.make_tensor_value_info("next_input_ids", TensorProto.INT64, ["batch", rows])]
+    # The drafter's model becomes the iteration graph in place: its initializers (its weights, where
+    # they are held) are never copied; the target's point into its weights file.
+    model, graph = drafter, drafter.graph
+    ir_version = max(target.ir_version, drafter.ir_version)
+    inputs, outputs = ([_copy(v) for v in values] for values in (inputs, outputs))
+    for field in ("input", "output", "value_info"):
+        graph.ClearField(field)
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    graph.node.extend([*glue, *target.graph.node, *handoff])
+    graph.initializer.extend([*consts, *handoff_consts, *target.graph.initializer])
+    graph.name = "eagle_trt_iteration"
+    for field in ("opset_import", "metadata_props", "producer_version", "domain", "model_version", "functions"):
+        model.ClearField(field)
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in opsets.items())
+    model.ir_version, model.producer_name, model.doc_string = ir_version, "eagle_trt", __doc__.split("\n\n")[0]
     del target, drafter
     if tensorrt:
         check_graph(model, str(path))
+    check_structure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
-        written = save_graph(model, tmp / path.name, source_dir=target_path.parent)
+        # the target's weights stay in its own weights file, hard-linked beside the iteration graph
+        written = save_graph(model, tmp / path.name, source_dir=target_path.parent, share_data=True)
         ops = sorted({n.op_type for n in model.graph.node})
         del model
-        onnx.checker.check_model(str(written[0]))     # by path: its weights where they were written
+        check_graph_files(written[0])     # every weights file it reads there, long enough
         install_graph(written, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

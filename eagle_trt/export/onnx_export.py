@@ -14,12 +14,13 @@ import torch
 
 from ..config import TreeShape
 from ..models.drafter import EagleDrafter
+from ..models.streamed import StreamedTarget
 from ..models.target import LlamaTarget, causal_mask
 from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, DrafterStepGraph,
                      DraftTreeGraph, TargetGraph, target_io_names)
 from .graph_files import install_graph
 from .opcheck import check_graph
-from .weights import attach_weights, stand_in, weights_as_inputs
+from .weights import Resolver, WeightWritten, attach_weights, stand_in, weights_as_inputs
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -37,11 +38,14 @@ class ExportedGraph:
 
 def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: Path, inputs: list[str],
             outputs: list[str], dynamic_axes: dict, opset: int,
-            static_dims: dict[str, dict[int, int]] | None = None) -> ExportedGraph:
+            static_dims: dict[str, dict[int, int]] | None = None, resolve: Resolver | None = None,
+            on_weight: WeightWritten | None = None) -> ExportedGraph:
     """Trace make_graph(stand-in of `module` in `dtype`) into a temporary folder, attach the real
     weights tensor by tensor (weights.py), check, then move into place (with its data file if
     any). static_dims: output sizes fixed by construction that shape inference lost behind a
-    dynamic axis (the tree's node count behind the batch axis), written into the output types."""
+    dynamic axis (the tree's node count behind the batch axis), written into the output types.
+    resolve: where the values of `module`'s meta parameters are (a target read part by part);
+    on_weight(done, total, name) after each weight is written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -66,7 +70,7 @@ def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: 
         onnx.checker.check_model(graph)
         final = tmp / "out" / path.name
         final.parent.mkdir()
-        written = attach_weights(graph, make_graph(module), len(inputs), final)
+        written = attach_weights(graph, make_graph(module), len(inputs), final, resolve, on_weight)
         ops = sorted({n.op_type for n in graph.graph.node})
         del graph
         if len(written) > 1:     # the graph without its external weights, and their references
@@ -81,7 +85,13 @@ def _kv_like(num_kv_heads: int, head_dim: int, length: int, dtype, batch: int = 
     return torch.randn(batch, num_kv_heads, length, head_dim).to(dtype)      # [B, Hkv, rows, D]
 
 
-def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset: int = DEFAULT_OPSET) -> ExportedGraph:
+def export_target(model: LlamaTarget | StreamedTarget, path: Path, dtype: str = "float32",
+                  on_weight: WeightWritten | None = None, opset: int = DEFAULT_OPSET) -> ExportedGraph:
+    """The target graph; of a StreamedTarget, its weights are copied from the checkpoint files
+    one tensor at a time into the graph's data file (the model is never loaded)."""
+    resolve = None
+    if isinstance(model, StreamedTarget):
+        model, resolve = model.model, model.weight_ref
     cfg = model.cfg
     inputs, outputs = target_io_names(cfg.num_hidden_layers)
     B, T, P = TRACE_BATCH, TRACE_NEW, TRACE_PAST
@@ -98,7 +108,8 @@ def export_target(model: LlamaTarget, path: Path, dtype: str = "float32", opset:
     for name in outputs:
         if name.startswith("new_"):
             axes[name] = {0: "batch", 2: "new_tokens"}
-    return _export(TargetGraph, model, dtype, args, path, inputs, outputs, axes, opset)
+    return _export(TargetGraph, model, dtype, args, path, inputs, outputs, axes, opset, resolve=resolve,
+                   on_weight=on_weight)
 
 
 def _drafter_example(drafter: EagleDrafter, dtype, batch: int = 1) -> tuple:

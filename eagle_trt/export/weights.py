@@ -22,7 +22,9 @@ TensorRT fold the Transpose when they load the graph."""
 from __future__ import annotations
 
 import copy
+import math
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,8 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
-from .graph_files import MIN_EXTERNAL_TENSOR, data_file_name, external_data_threshold, point_to_data
+from ..models.streamed import WeightRef
+from .graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, external_data_threshold, writing
 
 TRANSPOSED = "_t"     # suffix of the parameter a stand-in Linear multiplies by
 
@@ -87,16 +90,32 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
-def _source(real: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
+# Resolves a parameter that holds no values (a meta tensor of a model read part by part) to the
+# file tensor behind it.
+Resolver = Callable[[torch.Tensor], "WeightRef | None"]
+WeightWritten = Callable[[int, int, str], None]     # (weights written, of how many, the last one's name)
+
+
+def _ref(tensor: torch.Tensor, resolve: Resolver | None, name: str) -> WeightRef:
+    if tensor.is_meta:
+        ref = resolve(tensor) if resolve is not None else None
+        if ref is None:
+            raise ValueError(f"the exported graph reads {name!r}, which holds no values (meta) and no file "
+                             f"tensor backs it")
+        return ref
+    return WeightRef(("tensor", id(tensor)), tuple(tensor.shape), lambda: tensor)
+
+
+def _source(real: nn.Module, name: str, resolve: Resolver | None = None) -> tuple[WeightRef, bool]:
     """The real tensor behind a stand-in's graph input `name`, and whether the graph reads it transposed."""
     owner, _, attr = name.rpartition(".")
     if attr == f"weight{TRANSPOSED}":
-        return real.get_submodule(owner).weight, True
+        return _ref(real.get_submodule(owner).weight, resolve, name), True
     try:
-        return real.get_parameter(name), False
+        return _ref(real.get_parameter(name), resolve, name), False
     except AttributeError:
         try:
-            return real.get_buffer(name), False
+            return _ref(real.get_buffer(name), resolve, name), False
         except AttributeError:
             raise ValueError(f"the exported graph reads {name!r}, which is neither a parameter nor a buffer of "
                              f"{type(real).__name__}: the exporter folded a weight into a value of its own") from None
@@ -124,32 +143,34 @@ def _write_initializer(f, header: onnx.TensorProto, raw: memoryview) -> None:
     f.write(raw)
 
 
-def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, path: Path) -> list[Path]:
+def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, path: Path,
+                   resolve: Resolver | None = None, on_weight: WeightWritten | None = None) -> list[Path]:
     """Make the graph inputs past the first `num_inputs` (the parameters and buffers of a stand-in
     of `real`, traced through weights_as_inputs) initializers holding `real`'s values, and write the graph
     to `path`, with its weights in `path.data` past the external-data threshold (as save_graph
     does). Returns the files written, the graph first. `graph` keeps the weights' metadata at
-    most, never their values."""
+    most, never their values. resolve: where the values of `real`'s meta parameters are (a
+    model read part by part): each is read from its file when written."""
     folded = [i.name for i in graph.graph.initializer if numpy_helper.to_array(i).nbytes >= MIN_EXTERNAL_TENSOR]
     if folded:
         raise ValueError(f"the exported graph holds constants {folded[:3]} that are not weight inputs: the "
                          f"exporter folded a weight into a value of its own")
     params = list(graph.graph.input)[num_inputs:]
-    sources = {p.name: _source(real, p.name) for p in params}
+    sources = {p.name: _source(real, p.name, resolve) for p in params}
     for p in params:
-        tensor, transposed = sources[p.name]
-        want = tuple(tensor.shape[::-1] if transposed else tensor.shape)
+        ref, transposed = sources[p.name]
+        want = tuple(ref.shape[::-1] if transposed else ref.shape)
         have = tuple(d.dim_value for d in p.type.tensor_type.shape.dim)
         if have != want:
             raise ValueError(f"graph input {p.name!r} has shape {have}, the weight of that name {want}")
-    held = {id(t): name for name, (t, transposed) in sources.items() if not transposed}
+    held = {ref.key: name for name, (ref, transposed) in sources.items() if not transposed}
 
     def dtype_of(p) -> np.dtype:
         return onnx.helper.tensor_dtype_to_np_dtype(p.type.tensor_type.elem_type)
 
-    tied = {p.name: held[id(sources[p.name][0])] for p in params if sources[p.name][1] and id(sources[p.name][0]) in held}
+    tied = {p.name: held[sources[p.name][0].key] for p in params if sources[p.name][1] and sources[p.name][0].key in held}
     stored = [p for p in params if p.name not in tied]
-    weight_bytes = sum(sources[p.name][0].numel() * dtype_of(p).itemsize for p in stored)
+    weight_bytes = sum(math.prod(sources[p.name][0].shape) * dtype_of(p).itemsize for p in stored)
     external = graph.ByteSize() + weight_bytes > external_data_threshold()
     data = Path(path).with_name(data_file_name(path))
     if data.exists():
@@ -162,10 +183,14 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
         graph.graph.node.extend(nodes)
 
     def values():      # one tensor at a time: the only copy of a weight ever made
-        for p in stored:
-            tensor, transposed = sources[p.name]
+        for i, p in enumerate(stored):
+            ref, transposed = sources[p.name]
+            tensor = ref.read()
             value = (tensor.t() if transposed else tensor).detach().to("cpu", _torch_dtype(dtype_of(p)))
+            del tensor
             yield p, value.contiguous().numpy()
+            if on_weight is not None:
+                on_weight(i + 1, len(stored), p.name)
 
     path = Path(path)
     if not external:
@@ -173,25 +198,23 @@ def attach_weights(graph: onnx.ModelProto, real: nn.Module, num_inputs: int, pat
         # field when it parses, so this is the graph with its initializers, serialized a tensor
         # at a time, each weight's bytes going from its array to the file (no protobuf copy of
         # them); the in-memory `graph` stays without them.
-        with open(path, "wb") as f:
+        with writing(path), open(path, "wb") as f:
             f.write(graph.SerializeToString())
             for p, value in values():
                 header = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
                 _write_initializer(f, header, memoryview(value).cast("B"))
         return [path]
-    offset = 0
-    with open(data, "wb") as out:
+    with DataFile(data) as out:
         for p, value in values():
             if value.nbytes >= MIN_EXTERNAL_TENSOR:
-                init = onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type, dims=value.shape)
-                out.write(memoryview(value).cast("B"))
-                point_to_data(init, data, offset, value.nbytes)
-                offset += value.nbytes
+                init = out.append(onnx.TensorProto(name=p.name, data_type=p.type.tensor_type.elem_type,
+                                                   dims=value.shape), [memoryview(value).cast("B")])
             else:
                 init = numpy_helper.from_array(value, p.name)
             graph.graph.initializer.append(init)
-    onnx.save(graph, str(path))
+    with writing(path):
+        onnx.save(graph, str(path))
     return [path, data]
 
 
-__all__ = ["attach_weights", "stand_in", "weights_as_inputs"]
+__all__ = ["Resolver", "WeightRef", "WeightWritten", "attach_weights", "stand_in", "weights_as_inputs"]

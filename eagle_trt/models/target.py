@@ -11,7 +11,7 @@ needs come out concatenated as `captured` ([B, T, A * hidden]).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -221,28 +221,58 @@ class LlamaTarget(nn.Module):
         """logits_index [K] selects the positions that get logits (prefill needs only the last).
         cache [2, layers, B, Hkv, S, D]: a preallocated head-major KV cache written in place at
         rows at.. instead of past_k / past_v (Attention.forward; eager loops only)."""
+        state = self.begin(input_ids, position_ids, attention_mask, past_k, past_v, cache, at)
+        for i in range(len(self.layers)):
+            self.step(i, state)
+        return self.finish(state, logits_index)
+
+    # The forward pass in three parts, so that a model holding one part's weights at a time
+    # (models/streamed.py) runs exactly this arithmetic: begin (the embedding), step (one decoder
+    # layer), finish (the captured states, the final norm and lm_head).
+
+    def begin(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, past_k: list[Tensor] | None,
+              past_v: list[Tensor] | None, cache: Tensor | None = None, at: int = 0) -> "ForwardState":
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         window = self.cfg.arch.sliding_window
         past = at if cache is not None else past_k[0].shape[2]
         windowed = None if window is None else attention_mask & window_mask(position_ids, past, window)
-        streams: dict[int, Tensor] = {}
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            if i in self.capture_streams:
-                streams[i] = h
-            mask = windowed if i in self.cfg.arch.sliding_layers else attention_mask
-            if cache is None:
-                h, k, v = layer(h, cos, sin, mask, past_k[i], past_v[i])
-            else:
-                h, k, v = layer(h, cos, sin, mask, None, None, (cache[0, i], cache[1, i]), at)
-            new_k.append(k)
-            new_v.append(v)
-        streams[len(self.layers)] = h
-        captured = torch.cat([streams[s] for s in self.capture_streams], dim=-1)
-        if logits_index is not None:
-            h = h.index_select(1, logits_index)
-        return TargetOutput(self.lm_head(self.norm(h)), captured, new_k, new_v)
+        return ForwardState(h, cos, sin, attention_mask, windowed, past_k, past_v, cache, at)
+
+    def step(self, i: int, s: "ForwardState") -> None:
+        """Decoder layer i on the state, in place."""
+        if i in self.capture_streams:
+            s.streams[i] = s.h
+        mask = s.windowed if i in self.cfg.arch.sliding_layers else s.mask
+        if s.cache is None:
+            s.h, k, v = self.layers[i](s.h, s.cos, s.sin, mask, s.past_k[i], s.past_v[i])
+        else:
+            s.h, k, v = self.layers[i](s.h, s.cos, s.sin, mask, None, None, (s.cache[0, i], s.cache[1, i]), s.at)
+        s.new_k.append(k)
+        s.new_v.append(v)
+
+    def finish(self, s: "ForwardState", logits_index: Tensor | None = None) -> TargetOutput:
+        s.streams[len(self.layers)] = s.h
+        captured = torch.cat([s.streams[i] for i in self.capture_streams], dim=-1)
+        h = s.h if logits_index is None else s.h.index_select(1, logits_index)
+        return TargetOutput(self.lm_head(self.norm(h)), captured, s.new_k, s.new_v)
+
+
+@dataclass
+class ForwardState:
+    """One forward call between its parts (LlamaTarget.begin / step / finish)."""
+    h: Tensor
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor
+    windowed: Tensor | None
+    past_k: list[Tensor] | None
+    past_v: list[Tensor] | None
+    cache: Tensor | None
+    at: int
+    streams: dict[int, Tensor] = field(default_factory=dict)
+    new_k: list[Tensor] = field(default_factory=list)
+    new_v: list[Tensor] = field(default_factory=list)
 
 
 def causal_mask(new_tokens: int, past: int, device=None) -> Tensor:

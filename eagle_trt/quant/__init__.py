@@ -19,8 +19,8 @@ Typical use:
     quantize_onnx("target.onnx", "target.fp8.onnx", cfg, amax, linear_paths(target.model))
     reference, summary = quantized_copy(target.model, cfg, amax)     # same arithmetic in torch
 """
-from .calibrate import (AmaxRecorder, calibrate_drafter, calibrate_target, calibration_prompts, load_calibration,
-                        save_calibration)
+from .calibrate import (AmaxRecorder, calibrate_drafter, calibrate_target, calibration_prompts, calibration_steps,
+                        load_calibration, save_calibration)
 from .check import LayerParity, layer_parity
 from .config import FORMATS, QuantConfig, QuantError, QuantPlan
 from .fakequant import QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
@@ -30,6 +30,6 @@ from .run import (FP8_ORT_LEVEL, Fp8OrtDrafter, Fp8OrtIteration, Fp8OrtTarget, T
 
 __all__ = ["FORMATS", "FP8_ORT_LEVEL", "AmaxRecorder", "Fp8OrtDrafter", "Fp8OrtIteration", "Fp8OrtTarget", "LayerParity", "QDQSummary",
            "QuantConfig", "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
-           "calibrate_drafter", "calibrate_target", "calibration_prompts", "fp8_backends", "fp8_session",
+           "calibrate_drafter", "calibrate_target", "calibration_prompts", "calibration_steps", "fp8_backends", "fp8_session",
            "layer_parity", "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
            "quantize_onnx", "quantized_copy", "reference_evaluator", "run_graph", "save_calibration"]

@@ -23,6 +23,7 @@ from torch import nn
 from ..config import TreeShape, read_json
 from ..data import first_turns, sharegpt_file
 from ..models.drafter import EagleDrafter
+from ..models.streamed import StreamedTarget, TargetCall
 from ..models.target import LlamaTarget, causal_mask
 from ..tree import draft_tree
 from .config import QuantError
@@ -76,30 +77,51 @@ def _recording(model: nn.Module):
         raise QuantError(f"calibration: module(s) {never} never ran on the calibration prompts")
 
 
-def _target_pass(target: LlamaTarget, ids: list[int]):
-    """A prefill of `ids` on the target's device."""
+def _target_pass(target: LlamaTarget, ids: list[int], last_only: bool = False):
+    """A prefill of `ids` on the target's device (logits of the last row only, if asked)."""
     n, dev = len(ids), target.embed_tokens.weight.device
     past_k, past_v = target.empty_past(device=dev)
     return target(torch.tensor([ids], device=dev), torch.arange(n, device=dev)[None], causal_mask(n, 0, dev),
-                  past_k, past_v)
+                  past_k, past_v, torch.tensor([n - 1], device=dev) if last_only else None)
 
 
-def calibrate_target(target: LlamaTarget, prompts: list[list[int]],
+def _prefills(target: LlamaTarget | StreamedTarget, prompts: list[list[int]], on_step: Callable[[], None] | None,
+              keep: bool):
+    """A prefill of each prompt (kept when `keep`: the captured states and the last row's logits):
+    by a StreamedTarget all at once, part by part (on_step after each part), else one prompt after
+    another (on_step after each prompt). Not kept, every row gets logits (lm_head's amax)."""
+    step = on_step or (lambda: None)
+    if isinstance(target, StreamedTarget):
+        calls = [TargetCall(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids), 0),
+                            *target.empty_past(), torch.tensor([len(ids) - 1]) if keep else None) for ids in prompts]
+        return target.forward_many(calls, keep_kv=False, keep_outputs=keep, on_part=lambda _: step())
+    outs = []
+    for ids in prompts:
+        out = _target_pass(target, ids, last_only=keep)
+        outs.append(out if keep else None)
+        step()
+    return outs
+
+
+def calibration_steps(target: LlamaTarget | StreamedTarget, prompts: list[list[int]]) -> int:
+    """How many times calibrate_target / calibrate_drafter call on_prompt (for a progress bar)."""
+    return len(target.parts()) if isinstance(target, StreamedTarget) else len(prompts)
+
+
+def calibrate_target(target: LlamaTarget | StreamedTarget, prompts: list[list[int]],
                      on_prompt: Callable[[], None] | None = None) -> dict[str, float]:
     """{module path: max |input|} for every Linear of the target over the prompts (on_prompt is
-    called after each, for progress)."""
-    with _recording(target) as rec:
-        for ids in prompts:
-            _target_pass(target, ids)
-            if on_prompt is not None:
-                on_prompt()
+    called after each prompt, or after each part of a StreamedTarget, for progress)."""
+    model = target.model if isinstance(target, StreamedTarget) else target
+    with _recording(model) as rec:
+        _prefills(target, prompts, on_prompt, keep=False)
     return dict(sorted(rec.amax.items()))
 
 
 DEFAULT_TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
 
 
-def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[list[int]],
+def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget | StreamedTarget, prompts: list[list[int]],
                       shape: TreeShape = DEFAULT_TREE, on_prompt: Callable[[], None] | None = None) -> dict[str, float]:
     """{module path: max |input|} for every Linear of the drafter, fed the target's real
     captured states of each prompt and then expanding a draft tree of `shape`. The target's
@@ -107,15 +129,16 @@ def calibrate_drafter(drafter: EagleDrafter, target: LlamaTarget, prompts: list[
     target.set_capture(drafter.cfg.capture_for(target.cfg))
     shape = shape.validate(drafter.cfg.draft_vocab_size)
     w = drafter.fc.weight
+    streamed = isinstance(target, StreamedTarget)
+    with torch.inference_mode():
+        outs = _prefills(target, prompts, on_prompt if streamed else None, keep=True)
     with _recording(drafter) as rec:
-        for ids in prompts:
-            with torch.inference_mode():
-                out = _target_pass(target, ids)
+        for ids, out in zip(prompts, outs):
             next_id = int(out.logits[0, -1].argmax())
             pk, pv = drafter.empty_past()
             draft_tree(drafter, out.captured.to(w.device, w.dtype), torch.tensor([ids[1:] + [next_id]], device=w.device),
                        pk, pv, shape)
-            if on_prompt is not None:
+            if on_prompt is not None and not streamed:
                 on_prompt()
     return dict(sorted(rec.amax.items()))
 
@@ -144,5 +167,6 @@ def load_calibration(path: str | Path) -> dict[str, float]:
     return {k: float(v) for k, v in data.items()}
 
 
-__all__ = ["AmaxRecorder", "calibrate_drafter", "calibrate_target", "calibration_prompts", "load_calibration",
+__all__ = ["AmaxRecorder", "calibrate_drafter", "calibrate_target", "calibration_prompts", "calibration_steps",
+           "load_calibration",
            "save_calibration"]

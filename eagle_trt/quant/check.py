@@ -23,6 +23,7 @@ from onnx.external_data_helper import load_external_data_for_model
 from torch import nn
 
 from ..export.graph_files import save_graph
+from ..models.streamed import StreamedTarget
 from .config import QuantError
 from .fakequant import QuantLinear
 from .onnx_qdq import module_for_node
@@ -110,13 +111,14 @@ def _dequantize_weights_where_used(model: onnx.ModelProto) -> None:
     model.graph.node.extend(order)
 
 
-def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray], threads: int = 1
+def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[str, np.ndarray], threads: int = 1
                  ) -> list[LayerParity]:
     """Run the quantized graph once (ONNX Runtime as fp8_session runs it for FP8, onnx.reference
     for NVFP4), exposing every quantized MatMul's float input and output, and compare each
-    output with the reference model's QuantLinear of the same module applied to that input."""
+    output with the reference model's QuantLinear of the same module applied to that input
+    (a fake-quant StreamedTarget's, one part at a time)."""
     model = onnx.load(str(graph), load_external_data=False)    # the weights stay in the graph's data file
-    layers = {path: m for path, m in reference.named_modules() if isinstance(m, QuantLinear)}
+    layers = _quantized_paths(reference)
     pairs = quantized_matmuls(model)
     if not pairs:
         raise QuantError(f"{graph}: no quantized MatMul found")
@@ -135,26 +137,53 @@ def layer_parity(graph: str, reference: nn.Module, feeds: dict[str, np.ndarray],
     if is_nvfp4_graph(model):
         load_external_data_for_model(model, str(Path(graph).parent))
         values = dict(zip(names, reference_evaluator(model).run(names, feeds)))
-    else:   # from a file written like the build's (its weights copied there one by one, not loaded)
+    else:   # from a file beside the graph's weights file (hard-linked, else copied one by one; not loaded)
         _dequantize_weights_where_used(model)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
-            probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent)[0]
+            probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent, share_data=True)[0]
             values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
-    report = []
-    for node, quantizer in pairs:
-        source = quantizer.input[0]
+    paths = {}
+    for node, _ in pairs:
         path = module_for_node(node.name, layers)
         if path is None:
             raise QuantError(f"{graph}: quantized node '{node.name}' has no QuantLinear in the reference model")
-        layer = layers[path]
-        x = torch.from_numpy(values[source]).to(layer.input_scale.device)     # float32, as the quantizer read it
-        with torch.no_grad():   # on the reference's device; the graph adds the bias after its MatMul
-            expected = layer(x, bias=False).cpu()
-        got = torch.from_numpy(values[node.output[0]])
-        diff = (got - expected).float()
-        denom = float(expected.norm()) or 1.0
-        report.append(LayerParity(node.name, path, float(diff.norm()) / denom, float(diff.abs().max())))
-    return report
+        paths[node.name] = path
+    report = {}
+    for path, layer in _quant_linears(reference, set(paths.values())):
+        for node, quantizer in pairs:
+            if paths[node.name] != path:
+                continue
+            x = torch.from_numpy(values[quantizer.input[0]]).to(layer.input_scale.device)   # float32, as quantized
+            with torch.no_grad():   # on the reference's device; the graph adds the bias after its MatMul
+                expected = layer(x, bias=False).cpu()
+            got = torch.from_numpy(values[node.output[0]])
+            diff = (got - expected).float()
+            denom = float(expected.norm()) or 1.0
+            report[node.name] = LayerParity(node.name, path, float(diff.norm()) / denom, float(diff.abs().max()))
+    return [report[node.name] for node, _ in pairs]
+
+
+def _quantized_paths(reference) -> list[str]:
+    """The module paths of the reference's QuantLinears (of a StreamedTarget fake-quant reference:
+    those it makes as it reads each part)."""
+    if isinstance(reference, StreamedTarget):
+        cfg = reference.fake_quant[0]
+        return [p for p in reference.linear_paths()
+                if cfg.skip_reason(p, reference.model.get_submodule(p).in_features) is None]
+    return [path for path, m in reference.named_modules() if isinstance(m, QuantLinear)]
+
+
+def _quant_linears(reference, paths: set[str]):
+    """(path, QuantLinear) for each path; a StreamedTarget's part by part, each while its part is read."""
+    if not isinstance(reference, StreamedTarget):
+        layers = dict(reference.named_modules())
+        yield from ((p, layers[p]) for p in sorted(paths))
+        return
+    for part in reference.parts():
+        wanted = sorted(p for p in paths if any(p == q or p.startswith(q + ".") for q in part))
+        if wanted:
+            with reference.loaded(*part) as model:
+                yield from ((p, model.get_submodule(p)) for p in wanted)
 
 
 __all__ = ["LayerParity", "layer_parity", "quantized_matmuls"]

@@ -25,7 +25,8 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from contextlib import nullcontext
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -35,7 +36,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..export.graph_files import install_graph, save_graph
+from ..export.graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, install_graph, save_graph
 from ..export.opcheck import check_graph
 from .config import QuantConfig, QuantError
 from .fakequant import check_amax
@@ -129,8 +130,9 @@ def _guess_path(node_name: str) -> str:
 # ----------------------------------------------------------------------------- graph surgery
 
 class _Rewriter:
-    def __init__(self, model: onnx.ModelProto, cfg: QuantConfig, base_dir: str | Path | None = None):
-        self.model, self.cfg = model, cfg
+    def __init__(self, model: onnx.ModelProto, cfg: QuantConfig, base_dir: str | Path | None = None,
+                 data: DataFile | None = None):
+        self.model, self.cfg, self.data = model, cfg, data   # data: new weights written there as made
         self.base_dir = str(base_dir) if base_dir is not None else ""   # external weights are read one by one
         self.graph = model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
@@ -158,7 +160,10 @@ class _Rewriter:
 
     def _init(self, name: str, array: np.ndarray | None = None, *, elem: int | None = None,
               dims: list[int] | None = None, raw: bytes | None = None) -> str:
-        if raw is not None:
+        if raw is not None and self.data is not None and len(raw) >= MIN_EXTERNAL_TENSOR:
+            # straight to the graph's weights file: a real-size target's FP8 weights are never all in memory
+            self.new_inits.append(self.data.append(onnx.TensorProto(name=name, data_type=elem, dims=dims), [raw]))
+        elif raw is not None:
             self.new_inits.append(helper.make_tensor(name, elem, dims, raw, raw=True))
         else:
             self.new_inits.append(numpy_helper.from_array(array, name))
@@ -287,14 +292,17 @@ def _set_opsets(model: onnx.ModelProto, fmt: str) -> int:
 
 def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, float],
                    modules: Iterable[str] | None = None, source: str = "calibration",
-                   base_dir: str | Path | None = None) -> QDQSummary:
+                   base_dir: str | Path | None = None, data: DataFile | None = None,
+                   on_matmul: Callable[[int, int], None] | None = None) -> QDQSummary:
     """Rewrite `model` in place. `modules` lists the torch Linear module paths (defaults to the
     calibration's keys); `source` names the calibration in errors; base_dir: where the weights
-    of a model loaded without its external data are."""
+    of a model loaded without its external data are; data: the weights file the quantized
+    weights are written into as they are made (else they are held in the graph); on_matmul(done,
+    total) after each MatMul is rewritten (progress)."""
     if not cfg.enabled:
         raise QuantError(f"{cfg.source}: quantization format is 'none'; nothing to rewrite")
     known = set(amax) | set(modules or ())
-    rw = _Rewriter(model, cfg, base_dir)
+    rw = _Rewriter(model, cfg, base_dir, data)
     summary = QDQSummary(cfg.format)
     plan, seen = [], set()
     for index, node in enumerate(model.graph.node):
@@ -320,11 +328,13 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
         raise QuantError(f"{cfg.source}: no Linear MatMul in the graph is left to quantize "
                          f"({len(summary.skipped)} skipped)")
     check_amax(amax, sorted({p for _, _, p, _, _ in plan}), source)
-    for index, node, path, init_name, transposed in plan:
+    for done, (index, node, path, init_name, transposed) in enumerate(plan, 1):
         graph_dtype = FLOAT_TYPES[rw.inits[init_name].data_type]
         node.input[1] = rw.weight(init_name, transposed)
         node.input[0] = rw.activation(index, node, float(amax[path]), graph_dtype)
         summary.quantized[node.name] = path
+        if on_matmul is not None:
+            on_matmul(done, len(plan))
     rw.finish()
     summary.weights_converted = len(rw.weights)
     summary.opset = _set_opsets(model, cfg.format)
@@ -333,20 +343,24 @@ def quantize_graph(model: onnx.ModelProto, cfg: QuantConfig, amax: dict[str, flo
 
 
 def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict[str, float],
-                  modules: Iterable[str] | None = None, source: str = "calibration") -> QDQSummary:
+                  modules: Iterable[str] | None = None, source: str = "calibration",
+                  on_matmul: Callable[[int, int], None] | None = None) -> QDQSummary:
     """Read the float graph at `src`, write its Q/DQ form to `dst` (temporary folder, checks,
     then rename: a present `dst` is always complete), and say what was quantized."""
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise QuantError(f"{src}: ONNX graph not found")
-    # External weights stay on disk: each is read when it is converted, the rest copied at the save.
+    # External weights stay on disk: each is read when it is converted, and its quantized form
+    # written to the new graph's weights file there and then; the rest is copied at the save.
     model = onnx.load(str(src), load_external_data=False)
-    summary = quantize_graph(model, cfg, amax, modules, source, src.parent)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
     try:
         tmp_file = tmp / dst.name
-        written = save_graph(model, tmp_file, source_dir=src.parent)   # weights in dst.data past protobuf's limit
+        external = any(i.data_location == TensorProto.EXTERNAL for i in model.graph.initializer)
+        with DataFile(tmp_file.with_name(data_file_name(tmp_file))) if external else nullcontext() as data:
+            summary = quantize_graph(model, cfg, amax, modules, source, src.parent, data, on_matmul)
+            written = save_graph(model, tmp_file, source_dir=src.parent, data=data)
         try:
             onnx.checker.check_model(str(tmp_file))
         except onnx.checker.ValidationError as exc:

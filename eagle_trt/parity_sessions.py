@@ -1,0 +1,120 @@
+"""The ONNX Runtime sessions parity runs graphs in: a graph's external float weights are fed as
+read-only memory maps of its weights file, whose pages are dropped from the process as each call
+reads them, so checking a real-size graph never holds its weights in the process (parity.py)."""
+from __future__ import annotations
+
+import mmap
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "cpu"):
+    """An ONNX Runtime CPU session whose weights are never copied into the process: a graph's
+    external float weights are fed as inputs, read-only memory maps of its data file whose pages
+    are dropped from the process as each call reads them (WeightsFed): ONNX Runtime's own loading
+    maps the file and keeps every page it read mapped, a real-size target's weights once more in
+    the process's memory for the rest of the parity stage. Without prepacking, small weights kept
+    in the graph are not copied into packed buffers either. A float16 graph runs unoptimized:
+    the CPU has no fp16 MatMul, and ONNX Runtime's optimizer turns float16 *initializers* into
+    float32 copies (an FP8-on-fp16 build of a 0.83 B target peaked at 1.89x its fp32 weights
+    there), while a float16 *input* is cast when its node runs. A parity run makes a handful of
+    calls; their speed does not matter. provider 'cuda': ONNX Runtime's CUDA execution provider
+    (onnxruntime-gpu) on the graph as it is, its weights on the GPU."""
+    import onnxruntime as ort
+    if provider != "cpu":
+        from .runtime.onnxruntime_backend import make_session
+        return make_session(graph, providers=PROVIDERS[provider], level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False          # each call's memory goes back after it
+    if dtype == "float16":
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # The default order runs the weights' casts early, holding most float32 copies at once
+        # (2.5 GB for a 0.83 B target); priority order casts each near its use (0.75 GB).
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return WeightsFed(Path(graph), so)
+
+
+FED_TYPES = {1: np.float32, 10: np.float16}     # TensorProto.FLOAT, FLOAT16: the weights fed as memory maps
+
+
+class WeightsFed:
+    """A session over a graph whose external float weights are graph inputs, fed on every call
+    as read-only memory maps of its data file (page cache, never a copy, nor a float32 one of a
+    float16 weight), whose pages are dropped from the process as the call goes (pages_dropped).
+    Presents the graph's own inputs (get_inputs / get_outputs / run), as Polygraphy's runner
+    expects. A graph without external weights is an ordinary session."""
+
+    def __init__(self, graph: Path, options):
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        model = onnx.load(str(graph), load_external_data=False)
+        self.weights: dict[str, np.ndarray] = {}
+        kept = []
+        for init in model.graph.initializer:
+            if init.data_location != TensorProto.EXTERNAL:
+                kept.append(init)
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            if init.data_type not in FED_TYPES:    # small non-float tensors: into the graph
+                kept.append(numpy_helper.from_array(numpy_helper.to_array(init, str(graph.parent)), init.name))
+                continue
+            self.weights[init.name] = np.memmap(graph.parent / info["location"], dtype=FED_TYPES[init.data_type],
+                                                mode="r", offset=int(info.get("offset", 0)), shape=tuple(init.dims))
+            model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        if not self.weights:
+            self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+            return
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def get_inputs(self):
+        return [i for i in self.session.get_inputs() if i.name not in self.weights]
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, output_names, feeds):
+        if not self.weights:
+            return self.session.run(output_names, feeds)
+        with pages_dropped([w._mmap for w in self.weights.values()]):
+            return self.session.run(output_names, {**feeds, **self.weights})
+
+
+@contextmanager
+def pages_dropped(maps: list[mmap.mmap], every: float = 0.2):
+    """While the block runs (an ONNX Runtime call, which releases the GIL), drop the pages of the
+    read-only file mappings `maps` from the process every `every` seconds, and once more at the
+    end. A call reads each weight once, and the pages it read would otherwise stay mapped until
+    the maps are closed: a real-size target's weights file, once more in the process's memory
+    (its RSS), for the length of the parity stage. Dropped, they stay in the kernel's page
+    cache, from which a page still being read is mapped again on its next access."""
+    stop = threading.Event()
+
+    def drop():
+        for m in maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def keep_dropping():
+        while not stop.wait(every):
+            drop()
+    thread = threading.Thread(target=keep_dropping, name="drop-weight-pages", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        drop()
+
+
+__all__ = ["FED_TYPES", "WeightsFed", "pages_dropped", "parity_session"]
