@@ -65,8 +65,9 @@ def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target
 
 def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_target, tmp_path, monkeypatch):
     """export_pipeline's `iteration_int8`: the int8 drafter graph composed with a target graph
-    from another folder (as bench keeps them), whose weights lie in a data file (copied tensor by
-    tensor into the iteration graph's own). Decoding with one call an iteration equals the
+    from another folder (as bench keeps them), whose weights lie in a data file: that file is
+    hard-linked beside the iteration graph, not copied, and the graph's own data file holds only
+    the drafter's and the glue's tensors. Decoding with one call an iteration equals the
     target's own greedy output. The graph is kept while its inputs are current, and composed
     again when the drafter is retrained or the target graph is exported anew."""
     from eagle_trt.export import export_target
@@ -81,7 +82,10 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     paths = export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert set(paths) == {"drafter_tree", "drafter_tree_int8", "iteration_int8"}    # no second target graph
     graph = paths["iteration_int8"]
-    assert graph_files(graph) == [graph, graph.with_name("iteration_int8.onnx.data")]
+    shared = trees / "target.onnx.data"
+    assert graph_files(graph) == [graph, graph.with_name("iteration_int8.onnx.data"), shared]
+    assert shared.samefile(target_graph.with_name("target.onnx.data"))              # a link, no copy
+    assert graph.with_name("iteration_int8.onnx.data").stat().st_size < shared.stat().st_size
     ops = [n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node]
     assert "MatMulInteger" in ops and "GatherElements" in ops                     # int8 drafter, glue
 
