@@ -5,6 +5,7 @@ per-sequence max_new_tokens and EOS, joins and leaves."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import itertools
 import threading
@@ -23,7 +24,7 @@ from eagle_trt.runtime.backend import KeptRows, TargetBackend, TorchDrafter, Tor
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.runtime.onnxruntime_backend import CpuBinding, OrtDrafter, OrtIteration, OrtTarget
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
@@ -295,6 +296,44 @@ def iteration_graph(setup):
     """The setup's two graphs composed into one (export/iteration.py)."""
     _, _, graphs, _ = setup
     return compose_iteration(graphs["target"], graphs["drafter_tree"], graphs["target"].parent / "iteration.onnx").path
+
+
+def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(setup, iteration_graph, monkeypatch):
+    """With a device provider (CUDA), ONNX Runtime copies a bound input to the device when it is
+    bound (IOBinding::BindInput), so a graph bound once reads its host buffers as they were at
+    the bind. Here each input bind on the CPU provider reads a copy of the host memory taken at
+    the bind, as that copy would: bound once, decoding goes wrong; binding every input again
+    before each call (what CpuBinding does for device providers) decodes the target's own
+    greedy tokens, with two graph calls an iteration and with one."""
+    target_model, _, _, prompts = setup
+    prompts = prompts[:4]
+    refs = [generate_autoregressive(TorchTarget(target_model.model), p, 20, []).tokens for p in prompts]
+    bind = CpuBinding._bind
+
+    def bind_a_copy(self, name, dtype, shape, address, output):
+        if not output:
+            size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            copy = torch.empty(max(size, 1), dtype=torch.uint8)
+            ctypes.memmove(copy.data_ptr(), address, size)
+            self.__dict__.setdefault("copies", {})[name] = copy
+            address = copy.data_ptr()
+        bind(self, name, dtype, shape, address, output)
+    monkeypatch.setattr(CpuBinding, "_bind", bind_a_copy)
+    tokens = {}
+    for rebind, one_call in itertools.product((False, True), (False, True)):
+        monkeypatch.setattr(CpuBinding, "always_rebind", rebind)
+        target, drafter = _backends(setup, "onnxruntime")
+        iteration = OrtIteration(iteration_graph, target, drafter) if one_call else None
+        try:
+            results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+                [Request(p, 20) for p in prompts], max_batch=4)
+            tokens[rebind, one_call] = [r.tokens for r in results]
+        except (IndexError, ValueError, RuntimeError) as exc:     # stale lengths can break the bookkeeping
+            tokens[rebind, one_call] = repr(exc)
+    assert tokens[True, False] == refs and tokens[True, True] == refs
+    assert tokens[False, False] != refs and tokens[False, True] != refs
+    monkeypatch.setattr(CpuBinding, "always_rebind", False)
+    assert not CpuBinding(target.session).rebind         # the CPU provider reads the host memory itself
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime", "iteration"])

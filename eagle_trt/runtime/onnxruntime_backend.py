@@ -46,9 +46,10 @@ class _Timed:
         other.cache, other.bindings = None, self.bindings.empty_copy()
         return other
 
-    def _run_graph(self, io: ort.IOBinding) -> None:
+    def _run_graph(self, bound: "Bound") -> None:
+        bound.binding.refresh()
         start = time.perf_counter()
-        self.session.run_with_iobinding(io)
+        self.session.run_with_iobinding(bound.io)
         self.graph_seconds += time.perf_counter() - start
         self.graph_calls += 1
 
@@ -113,12 +114,21 @@ class CpuBinding:
     installed onnxruntime lacks that object (`_iobinding`), the public methods are used. Each
     bound tensor is held (`held`), so memory a binding points into outlives it."""
     raw_attribute = "_iobinding"
+    always_rebind = False      # tests: take the device providers' path on the CPU provider too
 
     def __init__(self, session: ort.InferenceSession):
         self.io = session.io_binding()
         self.raw = getattr(self.io, self.raw_attribute, None)
         self.device = ort.OrtDevice.make("cpu", 0)._get_c_device() if self.raw is not None else None
         self.held: dict[str, torch.Tensor] = {}
+        # ONNX Runtime copies a bound input to the device its consumers run on when it is bound
+        # (IOBinding::BindInput calls CopyOneInputAcrossDevices), not when the graph runs: with
+        # a device provider (CUDA) the graph reads the host buffer as it was at the bind, not
+        # what was written there since (stale lengths and pasts; an input filled after its bind
+        # read as leftover floats). Such sessions bind their inputs again before each call.
+        self.rebind = self.always_rebind or any(p != "CPUExecutionProvider" for p in session.get_providers())
+        self.inputs: dict[str, tuple[torch.dtype, list[int], int]] = {}
+        self.rebinds = 0
 
     def bind(self, name: str, tensor: torch.Tensor, shape: list[int] | None = None, address: int | None = None,
              output: bool = False) -> None:
@@ -126,13 +136,26 @@ class CpuBinding:
         self.held[name] = tensor
         shape = list(tensor.shape) if shape is None else shape
         address = tensor.data_ptr() if address is None else address
+        if not output:
+            self.inputs[name] = (tensor.dtype, shape, address)
+        self._bind(name, tensor.dtype, shape, address, output)
+
+    def _bind(self, name: str, dtype: torch.dtype, shape: list[int], address: int, output: bool) -> None:
         if self.raw is not None:
             bind = self.raw.bind_output if output else self.raw.bind_input
-            bind(name, self.device, ONNX_ELEMENT_TYPES[tensor.dtype], shape, address)
+            bind(name, self.device, ONNX_ELEMENT_TYPES[dtype], shape, address)
         elif output:
-            self.io.bind_output(name, "cpu", 0, NUMPY_DTYPES[tensor.dtype], shape, address)
+            self.io.bind_output(name, "cpu", 0, NUMPY_DTYPES[dtype], shape, address)
         else:
-            self.io.bind_input(name, "cpu", 0, NUMPY_DTYPES[tensor.dtype], shape, address)
+            self.io.bind_input(name, "cpu", 0, NUMPY_DTYPES[dtype], shape, address)
+
+    def refresh(self) -> None:
+        """Before a call: where the session copies inputs at the bind (`rebind`), bind every
+        input again, so the copy is of what the host wrote since."""
+        if self.rebind:
+            for name, (dtype, shape, address) in self.inputs.items():
+                self._bind(name, dtype, shape, address, output=False)
+            self.rebinds += 1
 
 
 class TwinBinding:
@@ -168,6 +191,9 @@ class TwinBinding:
 
     def turn(self) -> None:
         self.turns[0] = 1 - self.turns[0]
+
+    def refresh(self) -> None:
+        self.sides[self.side].refresh()
 
 
 def bind_past(binding: CpuBinding | TwinBinding, cache, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
@@ -219,7 +245,8 @@ class Bound:
         return self.tree
 
     def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
-        buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
+        # inputs zeroed: a value the caller never writes reads as 0, not as leftover memory
+        buf = self.buffers[name] = (torch.empty if output else torch.zeros)(shape, dtype=dtype)
         self.arrays[name] = buf.numpy()
         self.binding.bind(name, buf, output=output)
         return buf
@@ -384,7 +411,7 @@ class OrtTarget(_Timed, TargetBackend):
         if self.graph_accepts:
             self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
         self._last, self._handoff = bound, None
-        self._run_graph(bound.io)
+        self._run_graph(bound)
         return out["logits"], out["captured"], bound.staged, None     # K and V rows as one block
 
     def accept_greedy(self, logits, input_ids, tree_mask):
@@ -481,7 +508,7 @@ class OrtDrafter(_Timed, DrafterBackend):
     def _run(self, captured, input_ids, past_lengths, new_lengths, slots, width):
         bound = self.bindings.get(slots, [(self.cache, int(captured.shape[1]), width)])
         bound.feed(captured=captured, input_ids=input_ids, past_lengths=past_lengths, new_lengths=new_lengths)
-        self._run_graph(bound.io)
+        self._run_graph(bound)
         return bound.draft_tree(), bound.staged, None   # [2, 1, b, Hkv, T, D]
 
 
@@ -592,7 +619,7 @@ class OrtIteration(_Timed):
         bound.feed(**{p + "past_lengths": drafted, p + "new_lengths": new_lengths, "past_lengths": committed})
         out = bound.buffers
         t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
-        self._run_graph(bound.io)
+        self._run_graph(bound)
         t._handoff = None
         if self.handoff:     # what it wrote is what the other side reads: the next call's inputs
             bound.binding.turn()
