@@ -10,7 +10,10 @@ Rows (--rows picks; each prompt is decoded by every row in turn):
 - `captured speculative D,k,N`: the whole speculative iteration (draft tree, verification, greedy
   acceptance, KV commit, hand-off) replayed as one CUDA graph, one row per --tree shape;
 - `onnxruntime cuda plain` / `speculative`: the exported graphs on ONNX Runtime's CUDA execution
-  provider (onnxruntime-gpu) where it is installed, fp32; a failure is the row's result.
+  provider (onnxruntime-gpu) where it is installed, fp32, the speculative row through the
+  iteration graph (one call an iteration); a failure is the row's result;
+- `onnxruntime cpu plain` / `speculative`: the same graphs on the CPU provider, the reference the
+  CUDA rows' outputs are compared with (`same as cpu`).
 With --streams N the captured rows also decode all prompts N at a time (continuous batching,
 one graph per batch size).
 
@@ -38,7 +41,11 @@ from .runtime.decoder import Request
 from .runtime.static import StaticDecoder
 from .workloads import build
 
-ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", "onnxruntime-cuda")
+ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", "onnxruntime-cuda",
+        "onnxruntime-cpu")
+# ONNX Runtime's providers per --rows entry
+ORT_PROVIDERS = {"onnxruntime-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                 "onnxruntime-cpu": ["CPUExecutionProvider"]}
 
 
 def synchronize(device: torch.device) -> None:
@@ -100,20 +107,22 @@ class TransformersRow:
         return {"tokens": tokens if cut is None else tokens[:cut + 1], "seconds": seconds}
 
 
-class OrtCudaRow:
-    """The exported fp32 graphs on ONNX Runtime's CUDA execution provider (onnxruntime-gpu)."""
+class OrtRow:
+    """The exported fp32 graphs on ONNX Runtime with `providers`; speculative decoding through
+    the iteration graph (drafting and verification in one call), as `bench` runs it."""
 
-    def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int]):
+    def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int],
+                 providers: list[str]):
         from .export import export_pipeline
         from .runtime.decoder import SpeculativeDecoder
-        from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+        from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
         self.name = name
         graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, log=sys.stderr,
-                                 only=("target", "drafter_tree") if shape else ("target",))
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+                                 only=("target", "drafter_tree", "iteration") if shape else ("target",))
         target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers)
         drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers) if shape else None
-        self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size)
+        iteration = OrtIteration(graphs["iteration"], target, drafter, providers=providers) if shape else None
+        self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size, iteration=iteration)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict:
         start = time.perf_counter()
@@ -149,14 +158,17 @@ def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: 
         if name in want:
             rows.append(TransformersRow(name.replace("-", " "), models.target.folder, device, torch_dtype(dtype),
                                         compiled, capacity))
-    if "onnxruntime-cuda" in want:
-        why = ort_cuda_available()
-        folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
-        for label, shape in (("onnxruntime cuda plain", None), ("onnxruntime cuda speculative", shapes[0])):
+    folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
+    for row, providers in ORT_PROVIDERS.items():
+        if row not in want:
+            continue
+        why = ort_cuda_available() if "CUDAExecutionProvider" in providers else None
+        kind = row.split("-")[1]
+        for label, shape in ((f"onnxruntime {kind} plain", None), (f"onnxruntime {kind} speculative", shapes[0])):
             try:
                 if why is not None:
                     raise RuntimeError(why)
-                rows.append(OrtCudaRow(label, f32_models, shape, folder, eos))
+                rows.append(OrtRow(label, f32_models, shape, folder, eos, providers))
             except Exception as exc:  # noqa: BLE001 - a provider that cannot run the graphs is a result
                 rows.append(FailedRow(label, f"{type(exc).__name__}: {exc}"))
     return rows
@@ -227,6 +239,9 @@ def summarize(report: dict, plain: str = "captured plain") -> list[dict]:
                                                      if base is not None and e["outputs"] else None),
                      "vs_fastest_plain": rate / best_plain if rate and best_plain else None,
                      "error": e["error"]})
+        cpu = report.get(name.replace("onnxruntime cuda", "onnxruntime cpu"), {}).get("outputs")
+        if name.startswith("onnxruntime cuda") and cpu and e["outputs"]:    # the must-show: fp32 on
+            rows[-1]["identical_to_cpu_provider"] = sum(a == b for a, b in zip(e["outputs"], cpu))  # both
     return rows
 
 
@@ -244,6 +259,8 @@ def format_table(rows: list[dict], prompts: int) -> str:
         lines.append(f"{r['row']:<34}{fmt(r['tokens_per_second'], '.1f', 9)}{fmt(r['vs_fastest_plain'], '.2f', 15, 'x')}"
                      f"{fmt(r['mean_accept_length'], '.2f', 8)}{fmt(r['gpu_idle'], '.1%', 10)}{same:>7}"
                      f"{r['warmup_seconds']:>11.1f}")
+        if "identical_to_cpu_provider" in r:
+            lines[-1] += f"   same as cpu: {r['identical_to_cpu_provider']}/{prompts}"
     return "\n".join(lines)
 
 
@@ -282,7 +299,7 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         models = prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         f32 = models if dtype == "float32" and device.type == "cpu" else None
-        if "onnxruntime-cuda" in args.rows and f32 is None:     # the graphs are exported from fp32 CPU models
+        if any(row in args.rows for row in ORT_PROVIDERS) and f32 is None:   # graphs come from fp32 CPU models
             f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu")
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         prompts = [ids for w in names for ids in build(models.tokenizer, w, args.prompts)]
