@@ -138,17 +138,26 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
     if backend == "torch":
         target_backend, drafter_backend = TorchTarget(models.target.model), TorchDrafter(models.drafter, shape)
     else:
-        from .export import export_pipeline
-        from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
         if dtype not in ("float32", "float16"):
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
-        graphs = export_pipeline(models, shape, folder, dtype, log=log,
-                                 only=("target", "drafter_tree") + (("iteration",) if iteration_graph else ()))
-        target_backend = OrtTarget(graphs["target"], models.target.config.max_position_embeddings)
-        drafter_backend = OrtDrafter(graphs["drafter_tree"], shape)
-        if iteration_graph:
-            iteration = OrtIteration(graphs["iteration"], target_backend, drafter_backend)
+        target_backend, drafter_backend, iteration = onnxruntime_backends(models, shape, folder, dtype, log,
+                                                                          iteration_graph)
     decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
                                  vocab_size=models.target.config.vocab_size, iteration=iteration)
     return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)
+
+
+def onnxruntime_backends(models: Models, shape: TreeShape | None, folder: Path, dtype: str = "float32",
+                         log: TextIO | None = None, iteration_graph: bool = True, providers: list[str] | None = None):
+    """(target, drafter, iteration) backends on `models`' graphs in `folder` (exported there where
+    not current), on ONNX Runtime's `providers` (default: the CPU's). shape None: the target
+    alone (plain decoding; drafter and iteration None); iteration_graph False: no iteration graph."""
+    from .export import export_pipeline
+    from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+    names = ("target",) if shape is None else ("target", "drafter_tree") + (("iteration",) if iteration_graph else ())
+    graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names)
+    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers)
+    drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers) if shape is not None else None
+    iteration = OrtIteration(graphs["iteration"], target, drafter, providers=providers) if "iteration" in graphs else None
+    return target, drafter, iteration

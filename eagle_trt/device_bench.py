@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from .api import prepare_models
+from .api import onnxruntime_backends, prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
+from .parity_sessions import PROVIDERS
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import Request
 from .runtime.static import StaticDecoder
@@ -43,9 +44,7 @@ from .workloads import build
 
 ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", "onnxruntime-cuda",
         "onnxruntime-cpu")
-# ONNX Runtime's providers per --rows entry
-ORT_PROVIDERS = {"onnxruntime-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-                 "onnxruntime-cpu": ["CPUExecutionProvider"]}
+ORT_ROWS = ("cuda", "cpu")      # onnxruntime-<provider> rows (PROVIDERS: the providers each takes)
 
 
 def synchronize(device: torch.device) -> None:
@@ -113,15 +112,9 @@ class OrtRow:
 
     def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int],
                  providers: list[str]):
-        from .export import export_pipeline
         from .runtime.decoder import SpeculativeDecoder
-        from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
         self.name = name
-        graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, log=sys.stderr,
-                                 only=("target", "drafter_tree", "iteration") if shape else ("target",))
-        target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers)
-        drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers) if shape else None
-        iteration = OrtIteration(graphs["iteration"], target, drafter, providers=providers) if shape else None
+        target, drafter, iteration = onnxruntime_backends(models, shape, folder, log=sys.stderr, providers=providers)
         self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size, iteration=iteration)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict:
@@ -159,11 +152,11 @@ def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: 
             rows.append(TransformersRow(name.replace("-", " "), models.target.folder, device, torch_dtype(dtype),
                                         compiled, capacity))
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
-    for row, providers in ORT_PROVIDERS.items():
-        if row not in want:
+    for kind in ORT_ROWS:
+        if f"onnxruntime-{kind}" not in want:
             continue
-        why = ort_cuda_available() if "CUDAExecutionProvider" in providers else None
-        kind = row.split("-")[1]
+        providers = PROVIDERS[kind]
+        why = ort_cuda_available() if kind == "cuda" else None
         for label, shape in ((f"onnxruntime {kind} plain", None), (f"onnxruntime {kind} speculative", shapes[0])):
             try:
                 if why is not None:
@@ -299,7 +292,7 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         models = prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         f32 = models if dtype == "float32" and device.type == "cpu" else None
-        if any(row in args.rows for row in ORT_PROVIDERS) and f32 is None:   # graphs come from fp32 CPU models
+        if any(f"onnxruntime-{kind}" in args.rows for kind in ORT_ROWS) and f32 is None:   # graphs come from fp32 CPU models
             f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu")
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         prompts = [ids for w in names for ids in build(models.tokenizer, w, args.prompts)]

@@ -32,6 +32,7 @@ from .store import (
     Store,
     fingerprint,
     human_bytes,
+    progress_callback,
     sha256_json,
     versions,
     write_json_atomic,
@@ -160,17 +161,6 @@ class Build:
                 root, why = r.info["stage"], r.info["why"]
                 raise BuildError(f"{self.store.root}: stage '{stage}' needs the {root} stage's artifacts ({why}); "
                                  f"add {root} to --stages or drop --stages")
-
-    def _weights_progress(self):
-        """A callback for export_target: a progress line (at most every 10 s) with an ETA as the
-        target's weights are written."""
-        bar: list[Progress] = []
-
-        def written(done: int, total: int, name: str) -> None:
-            if not bar:
-                bar.append(Progress("export", total, self.log, "target.onnx weights", every=10.0))
-            bar[0].step(name)
-        return written
 
     def path(self, stage: str, rel: str) -> Path:
         return self.store.stage_dir(stage) / rel
@@ -326,7 +316,8 @@ class Build:
         def run(tmp: Path) -> dict:
             m, shape = self.models_on("cpu"), cfg.tree.shape      # traced on the CPU: the graph is the same
             tdt, ddt = cfg.precision.target.dtype, cfg.precision.drafter.dtype
-            jobs = [("target", lambda p: export_target(m.target.with_dtype(DTYPES[tdt]), p, tdt, self._weights_progress())),
+            weights_written = progress_callback("export", self.log, "target.onnx weights")
+            jobs = [("target", lambda p: export_target(m.target.with_dtype(DTYPES[tdt]), p, tdt, weights_written)),
                     ("drafter_tree", lambda p: export_drafter_tree(m.drafter, shape, p, ddt))]
             if cfg.outputs.step_graphs:
                 jobs += [("drafter_step_first", lambda p: export_drafter_step(m.drafter, p, True, ddt)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import BuildConfig, ModelPrecision
-from .store import Progress
+from .store import Progress, progress_callback
 
 
 def quant_config(p: ModelPrecision, source: str):
@@ -60,12 +60,7 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
         precision = getattr(cfg.precision, name)
         amax, calib, paths = calibrated[name]
         dst = out / f"{graph}.{precision.format}.onnx"
-        bar = []     # a line at most every 10 s, with an ETA, as the MatMuls are rewritten
-
-        def rewritten(done: int, total: int, what: str = dst.name) -> None:
-            if not bar:
-                bar.append(Progress("quantize", total, log, f"{what} MatMuls", every=10.0))
-            bar[0].step()
+        rewritten = progress_callback("quantize", log, f"{dst.name} MatMuls")   # as the MatMuls are rewritten
         summary = quantize_onnx(graphs[graph], dst, quant_config(precision, f"{cfg.source}: precision.{name}"),
                                 amax, paths, source=str(calib), on_matmul=rewritten)
         progress.step(f"{dst.name}: {len(summary.quantized)} MatMuls quantized, {len(summary.skipped)} kept")

@@ -184,6 +184,19 @@ class Progress:
               file=self.stream, flush=True)
 
 
+def progress_callback(stage: str, stream: TextIO | None, label: str, every: float = 10.0):
+    """A (done, total[, what]) callback for work that learns its total as it starts (weights
+    written, MatMuls rewritten): a Progress made at the first call, one line at most every
+    `every` seconds, with an ETA."""
+    bar: list[Progress] = []
+
+    def step(done: int, total: int, what: str = "") -> None:
+        if not bar:
+            bar.append(Progress(stage, total, stream, label, every))
+        bar[0].step(what)
+    return step
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

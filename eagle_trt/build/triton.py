@@ -175,7 +175,7 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 _link_graph(path, version / "graphs")
             settings["graphs"][graph] = f"graphs/{path.name}"
         settings["precision"] = precision
-        if iteration_graph and settings["backend"] == "onnxruntime":
+        if iteration_graph:
             from ..export.iteration import compose_iteration
             served = {g: version / f for g, f in settings["graphs"].items()}
             path = version / "graphs" / "iteration.onnx"

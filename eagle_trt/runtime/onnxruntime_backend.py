@@ -128,7 +128,6 @@ class CpuBinding:
         # read as leftover floats). Such sessions bind their inputs again before each call.
         self.rebind = self.always_rebind or any(p != "CPUExecutionProvider" for p in session.get_providers())
         self.inputs: dict[str, tuple[torch.dtype, list[int], int]] = {}
-        self.rebinds = 0
 
     def bind(self, name: str, tensor: torch.Tensor, shape: list[int] | None = None, address: int | None = None,
              output: bool = False) -> None:
@@ -155,7 +154,6 @@ class CpuBinding:
         if self.rebind:
             for name, (dtype, shape, address) in self.inputs.items():
                 self._bind(name, dtype, shape, address, output=False)
-            self.rebinds += 1
 
 
 class TwinBinding:
