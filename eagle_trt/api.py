@@ -122,16 +122,21 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
                   log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
                   device: str = "cpu", iteration_graph: bool = True) -> Pipeline:
     """backend 'torch' runs the PyTorch models on `device`; 'onnxruntime' exports the target and
-    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on the CPU,
+    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on ONNX
+    Runtime, on the CPU or (device 'cuda', with onnxruntime-gpu installed) its CUDA provider,
     with iteration_graph (the default, as the build serves) also the two composed into one graph
     called once an iteration (export/iteration.py); the drafter graph still encodes prompts."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    providers = None
     if backend == "onnxruntime":
         if device == "cuda":
-            raise ConfigError("the onnxruntime backend runs on the CPU (onnxruntime-gpu is not a dependency); "
-                              "use --device cpu, or --backend torch for CUDA")
-        device = "cpu"
+            why = ort_cuda_available()
+            if why is not None:
+                raise ConfigError(f"--backend onnxruntime --device cuda: {why}; or use --backend torch for CUDA")
+            from .parity_sessions import PROVIDERS
+            providers = PROVIDERS["cuda"]
+        device = "cpu"          # the models are traced on the CPU; the sessions run on `providers`
     models = prepare_models(target_spec, drafter_path, dtype, log, device)
     dtype = str(models.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
     iteration = None
@@ -142,22 +147,35 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
         target_backend, drafter_backend, iteration = onnxruntime_backends(models, shape, folder, dtype, log,
-                                                                          iteration_graph)
+                                                                          iteration_graph, providers)
     decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
                                  vocab_size=models.target.config.vocab_size, iteration=iteration)
     return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)
 
 
+def ort_cuda_available() -> str | None:
+    """None where onnxruntime has the CUDA execution provider, else why not."""
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    return None
+
+
 def onnxruntime_backends(models: Models, shape: TreeShape | None, folder: Path, dtype: str = "float32",
-                         log: TextIO | None = None, iteration_graph: bool = True, providers: list[str] | None = None):
+                         log: TextIO | None = None, iteration_graph: bool = True, providers: list[str] | None = None,
+                         kv_device: str | None = None):
     """(target, drafter, iteration) backends on `models`' graphs in `folder` (exported there where
     not current), on ONNX Runtime's `providers` (default: the CPU's). shape None: the target
-    alone (plain decoding; drafter and iteration None); iteration_graph False: no iteration graph."""
+    alone (plain decoding; drafter and iteration None); iteration_graph False: no iteration graph.
+    kv_device: where the KV caches live (onnxruntime_backend.kv_device_for; None: on the GPU
+    where the sessions run on CUDA and PyTorch has it)."""
     from .export import export_pipeline
     from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
     names = ("target",) if shape is None else ("target", "drafter_tree") + (("iteration",) if iteration_graph else ())
     graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names)
-    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers)
-    drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers) if shape is not None else None
+    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers,
+                       kv_device=kv_device)
+    drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers, kv_device=kv_device) \
+        if shape is not None else None
     iteration = OrtIteration(graphs["iteration"], target, drafter, providers=providers) if "iteration" in graphs else None
     return target, drafter, iteration

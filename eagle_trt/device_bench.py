@@ -11,7 +11,10 @@ Rows (--rows picks; each prompt is decoded by every row in turn):
   acceptance, KV commit, hand-off) replayed as one CUDA graph, one row per --tree shape;
 - `onnxruntime cuda plain` / `speculative`: the exported graphs on ONNX Runtime's CUDA execution
   provider (onnxruntime-gpu) where it is installed, fp32, the speculative row through the
-  iteration graph (one call an iteration); a failure is the row's result;
+  iteration graph (one call an iteration), the KV caches on the GPU; a failure is the row's result;
+- `onnxruntime cuda host-kv plain` / `speculative` (`--rows onnxruntime-cuda-host-kv`): the same
+  with the KV caches in host memory, copied to the GPU at every call (what a PyTorch without CUDA
+  leaves the runtime);
 - `onnxruntime cpu plain` / `speculative`: the same graphs on the CPU provider, the reference the
   CUDA rows' outputs are compared with (`same as cpu`).
 With --streams N the captured rows also decode all prompts N at a time (continuous batching,
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .api import onnxruntime_backends, prepare_models
+from .api import onnxruntime_backends, ort_cuda_available, prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
@@ -42,9 +45,11 @@ from .runtime.decoder import Request
 from .runtime.static import StaticDecoder
 from .workloads import build
 
-ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", "onnxruntime-cuda",
-        "onnxruntime-cpu")
-ORT_ROWS = ("cuda", "cpu")      # onnxruntime-<provider> rows (PROVIDERS: the providers each takes)
+# the ONNX Runtime rows: provider (PROVIDERS: the providers each takes), where the KV caches live
+# (onnxruntime_backend.kv_device_for; None: its default, the GPU on the CUDA provider)
+ORT_ROWS = {"onnxruntime-cuda": ("cuda", None), "onnxruntime-cuda-host-kv": ("cuda", "cpu"),
+            "onnxruntime-cpu": ("cpu", None)}
+ROWS = ("captured-plain", "captured-speculative", "transformers-compiled", "transformers-eager", *ORT_ROWS)
 
 
 def synchronize(device: torch.device) -> None:
@@ -111,24 +116,17 @@ class OrtRow:
     the iteration graph (drafting and verification in one call), as `bench` runs it."""
 
     def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int],
-                 providers: list[str]):
+                 providers: list[str], kv_device: str | None = None):
         from .runtime.decoder import SpeculativeDecoder
         self.name = name
-        target, drafter, iteration = onnxruntime_backends(models, shape, folder, log=sys.stderr, providers=providers)
+        target, drafter, iteration = onnxruntime_backends(models, shape, folder, log=sys.stderr, providers=providers,
+                                                          kv_device=kv_device)
         self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size, iteration=iteration)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict:
         start = time.perf_counter()
         res = self.decoder.generate(ids, max_new_tokens)
         return {"tokens": res.tokens, "seconds": time.perf_counter() - start, "accept": res.accept_lengths}
-
-
-def ort_cuda_available() -> str | None:
-    """None where onnxruntime has the CUDA execution provider, else why not."""
-    import onnxruntime as ort
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)"
-    return None
 
 
 def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: str, capacity: int) -> list:
@@ -152,16 +150,16 @@ def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: 
             rows.append(TransformersRow(name.replace("-", " "), models.target.folder, device, torch_dtype(dtype),
                                         compiled, capacity))
     folder = args.onnx_dir or cache_dir() / "onnx" / models.target.folder.name
-    for kind in ORT_ROWS:
-        if f"onnxruntime-{kind}" not in want:
+    for row, (provider, kv_device) in ORT_ROWS.items():
+        if row not in want:
             continue
-        providers = PROVIDERS[kind]
-        why = ort_cuda_available() if kind == "cuda" else None
+        why = ort_cuda_available() if provider == "cuda" else None
+        kind = row.removeprefix("onnxruntime-").replace("-", " ", 1)
         for label, shape in ((f"onnxruntime {kind} plain", None), (f"onnxruntime {kind} speculative", shapes[0])):
             try:
                 if why is not None:
                     raise RuntimeError(why)
-                rows.append(OrtRow(label, f32_models, shape, folder, eos, providers))
+                rows.append(OrtRow(label, f32_models, shape, folder, eos, PROVIDERS[provider], kv_device))
             except Exception as exc:  # noqa: BLE001 - a provider that cannot run the graphs is a result
                 rows.append(FailedRow(label, f"{type(exc).__name__}: {exc}"))
     return rows
@@ -232,24 +230,25 @@ def summarize(report: dict, plain: str = "captured plain") -> list[dict]:
                                                      if base is not None and e["outputs"] else None),
                      "vs_fastest_plain": rate / best_plain if rate and best_plain else None,
                      "error": e["error"]})
-        cpu = report.get(name.replace("onnxruntime cuda", "onnxruntime cpu"), {}).get("outputs")
+        cpu = report.get(name.replace("onnxruntime cuda host-kv", "onnxruntime cpu")
+                         .replace("onnxruntime cuda", "onnxruntime cpu"), {}).get("outputs")
         if name.startswith("onnxruntime cuda") and cpu and e["outputs"]:    # the must-show: fp32 on
             rows[-1]["identical_to_cpu_provider"] = sum(a == b for a, b in zip(e["outputs"], cpu))  # both
     return rows
 
 
 def format_table(rows: list[dict], prompts: int) -> str:
-    head = f"{'row':<34}{'tok/s':>9}{'vs best plain':>15}{'accept':>8}{'GPU idle':>10}{'same':>7}{'warm-up s':>11}"
+    head = f"{'row':<38}{'tok/s':>9}{'vs best plain':>15}{'accept':>8}{'GPU idle':>10}{'same':>7}{'warm-up s':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["error"] is not None and r["tokens_per_second"] is None:
-            lines.append(f"{r['row']:<34}  failed: {r['error'][:200]}")
+            lines.append(f"{r['row']:<38}  failed: {r['error'][:200]}")
             continue
 
         def fmt(value, spec: str, width: int, suffix: str = "") -> str:
             return (format(value, spec) + suffix if value is not None else "-").rjust(width)
         same = f"{r['identical_to_captured_plain']}/{prompts}" if r["identical_to_captured_plain"] is not None else "-"
-        lines.append(f"{r['row']:<34}{fmt(r['tokens_per_second'], '.1f', 9)}{fmt(r['vs_fastest_plain'], '.2f', 15, 'x')}"
+        lines.append(f"{r['row']:<38}{fmt(r['tokens_per_second'], '.1f', 9)}{fmt(r['vs_fastest_plain'], '.2f', 15, 'x')}"
                      f"{fmt(r['mean_accept_length'], '.2f', 8)}{fmt(r['gpu_idle'], '.1%', 10)}{same:>7}"
                      f"{r['warmup_seconds']:>11.1f}")
         if "identical_to_cpu_provider" in r:
@@ -292,7 +291,7 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         models = prepare_models(args.target, args.drafter, dtype, sys.stderr, args.device)
         f32 = models if dtype == "float32" and device.type == "cpu" else None
-        if any(f"onnxruntime-{kind}" in args.rows for kind in ORT_ROWS) and f32 is None:   # graphs come from fp32 CPU models
+        if any(row in args.rows.split(",") for row in ORT_ROWS) and f32 is None:   # graphs come from fp32 CPU models
             f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu")
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         prompts = [ids for w in names for ids in build(models.tokenizer, w, args.prompts)]

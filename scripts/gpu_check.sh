@@ -10,7 +10,8 @@
 #      provider against PyTorch, output by output (python -m eagle_trt.parity --provider cuda);
 #   4. fp32: the same captured rows (speculative must equal plain decoding token for token) and
 #      the graphs decoding on ONNX Runtime's CUDA provider, plain and through the iteration graph,
-#      against the same graphs on its CPU provider (`same as cpu`: must be every prompt);
+#      with the KV caches on the GPU and (host-kv) in host memory, against the same graphs on its
+#      CPU provider (`same as cpu`: must be every prompt);
 #   5. the captured rows with torch.compile (inductor) under the capture: warm-up and tok/s.
 # Each step has its own timeout and writes its log and JSON under $OUT (what the device tool
 # brings back); summary.txt collects every table.
@@ -67,8 +68,8 @@ step bf16 240 $BENCH --dtype bfloat16 --streams $STREAMS \
 GRAPHS=$EAGLE_TRT_CACHE/parity-$PROVIDER
 step parity 150 "$PY" -m eagle_trt.parity --provider "$PROVIDER" --iteration-graph --prompts 2 \
   --depth 3 --tree-top-k 2 --total-tokens 4 --out "$GRAPHS"
-step fp32 240 $BENCH --dtype float32 --streams $STREAMS --onnx-dir "$GRAPHS/graphs" \
-  --rows captured-plain,captured-speculative,onnxruntime-cuda,onnxruntime-cpu --out "$OUT/fp32"
+step fp32 300 $BENCH --dtype float32 --streams $STREAMS --onnx-dir "$GRAPHS/graphs" \
+  --rows captured-plain,captured-speculative,onnxruntime-cuda,onnxruntime-cuda-host-kv,onnxruntime-cpu --out "$OUT/fp32"
 [ "${DRY:-0}" = 1 ] && { echo "== compiled: skipped in the dry run (inductor on 2 CPU cores takes many minutes)" >> "$summary"; } ||
 step compiled 150 $BENCH --dtype bfloat16 --tree "${TREES%%;*}" --compile \
   --rows captured-plain,captured-speculative --out "$OUT/compiled"

@@ -23,8 +23,10 @@ from eagle_trt.export.iteration import IterationGraphError, compose_iteration
 from eagle_trt.runtime.backend import KeptRows, TargetBackend, TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime import kv_cache
 from eagle_trt.runtime.kv_cache import CHUNK, KVCache
-from eagle_trt.runtime.onnxruntime_backend import CpuBinding, OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.runtime.ort_binding import Binding
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
@@ -303,25 +305,26 @@ def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(setu
     bound (IOBinding::BindInput), so a graph bound once reads its host buffers as they were at
     the bind. Here each input bind on the CPU provider reads a copy of the host memory taken at
     the bind, as that copy would: bound once, decoding goes wrong; binding every input again
-    before each call (what CpuBinding does for device providers) decodes the target's own
-    greedy tokens, with two graph calls an iteration and with one."""
+    before each call (what Binding does for device providers) decodes the target's own
+    greedy tokens, with two graph calls an iteration and with one; so does it with the KV caches
+    committed by torch as on a GPU (kv_device cuda keeps them there, read where they are)."""
     target_model, _, _, prompts = setup
     prompts = prompts[:4]
     refs = [generate_autoregressive(TorchTarget(target_model.model), p, 20, []).tokens for p in prompts]
-    bind = CpuBinding._bind
+    bind = Binding._bind
 
-    def bind_a_copy(self, name, dtype, shape, address, output):
+    def bind_a_copy(self, name, dtype, shape, address, output, where=("cpu", 0)):
         if not output:
             size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
             copy = torch.empty(max(size, 1), dtype=torch.uint8)
             ctypes.memmove(copy.data_ptr(), address, size)
             self.__dict__.setdefault("copies", {})[name] = copy
             address = copy.data_ptr()
-        bind(self, name, dtype, shape, address, output)
-    monkeypatch.setattr(CpuBinding, "_bind", bind_a_copy)
+        bind(self, name, dtype, shape, address, output, where)
+    monkeypatch.setattr(Binding, "_bind", bind_a_copy)
     tokens = {}
     for rebind, one_call in itertools.product((False, True), (False, True)):
-        monkeypatch.setattr(CpuBinding, "always_rebind", rebind)
+        monkeypatch.setattr(Binding, "always_rebind", rebind)
         target, drafter = _backends(setup, "onnxruntime")
         iteration = OrtIteration(iteration_graph, target, drafter) if one_call else None
         try:
@@ -332,8 +335,19 @@ def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(setu
             tokens[rebind, one_call] = repr(exc)
     assert tokens[True, False] == refs and tokens[True, True] == refs
     assert tokens[False, False] != refs and tokens[False, True] != refs
-    monkeypatch.setattr(CpuBinding, "always_rebind", False)
-    assert not CpuBinding(target.session).rebind         # the CPU provider reads the host memory itself
+    # the caches as a GPU holds them (kv_device cuda): no numpy view, the new rows staged as
+    # tensors and committed by torch's indexed copies, as on the device
+    monkeypatch.setattr(kv_cache, "NUMPY_FLOATS", ())
+    for one_call in (False, True):
+        target, drafter = _backends(setup, "onnxruntime")
+        iteration = OrtIteration(iteration_graph, target, drafter) if one_call else None
+        results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+            [Request(p, 20) for p in prompts], max_batch=4)
+        assert target.cache.kv_np is None and not isinstance(target.bindings.entries[next(iter(
+            target.bindings.entries))].staged, np.ndarray)
+        assert [r.tokens for r in results] == refs
+    monkeypatch.setattr(Binding, "always_rebind", False)
+    assert not Binding(target.session).rebind         # the CPU provider reads the host memory itself
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime", "iteration"])

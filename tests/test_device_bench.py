@@ -9,26 +9,28 @@ import json
 
 from conftest import onnx_dir_copy
 
-from eagle_trt.device_bench import main, ort_cuda_available
+from eagle_trt.api import ort_cuda_available
+from eagle_trt.device_bench import main
 
 
 def test_device_bench_rows_decode_alike_on_the_cpu(smollm2, smollm2_onnx_dir, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["--device", "cpu", "--dtype", "float32", "--threads", "2", "--prompts", "2",
                  "--max-new-tokens", "12", "--tree", "3,2,4",
-                 "--rows", "captured-plain,captured-speculative,onnxruntime-cpu,onnxruntime-cuda",
+                 "--rows", "captured-plain,captured-speculative,onnxruntime-cpu,onnxruntime-cuda,onnxruntime-cuda-host-kv",
                  "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")), "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     rows = {r["row"]: r for r in json.loads((out / "device_bench.json").read_text())["rows"]}
+    cuda = [f"onnxruntime cuda{kv} {kind}" for kv in ("", " host-kv") for kind in ("plain", "speculative")]
     assert set(rows) == {"captured plain", "captured speculative 3,2,4", "onnxruntime cpu plain",
-                         "onnxruntime cpu speculative", "onnxruntime cuda plain", "onnxruntime cuda speculative"}
+                         "onnxruntime cpu speculative", *cuda}
     for name in ("captured speculative 3,2,4", "onnxruntime cpu plain", "onnxruntime cpu speculative"):
         assert rows[name]["error"] is None and rows[name]["identical_to_captured_plain"] == 2, rows[name]
     assert rows["onnxruntime cpu speculative"]["mean_accept_length"] > 1      # the iteration graph drafted
     why = ort_cuda_available()
-    for name in ("onnxruntime cuda plain", "onnxruntime cuda speculative"):
+    for name in cuda:
         if why is None:       # onnxruntime-gpu installed: fp32 on both providers, token for token
             assert rows[name]["identical_to_cpu_provider"] == 2, rows[name]
         else:
-            assert "no CUDAExecutionProvider" in rows[name]["error"] and f"{name:<34}  failed" in printed
+            assert "no CUDAExecutionProvider" in rows[name]["error"] and f"{name:<38}  failed" in printed

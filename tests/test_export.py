@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 
 from eagle_trt.build.engines import input_dims
 from eagle_trt.checkpoints import random_drafter
-from eagle_trt.config import TreeShape
+from eagle_trt.api import load_pipeline, ort_cuda_available
+from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
 from eagle_trt.export.graphs import kv_heads_and_dim
@@ -24,7 +25,8 @@ from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, CpuBinding, OrtDrafter, OrtTarget, bind_past, make_session
+from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTarget, make_session
+from eagle_trt.runtime.ort_binding import Binding, bind_past
 from eagle_trt.tree import DraftTree
 
 from conftest import PlantedDrafter
@@ -255,13 +257,13 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
 
 
 def test_onnxruntime_binding_by_address_matches_the_public_api(exported, monkeypatch):
-    """CpuBinding binds through the IOBinding's pybind object; where onnxruntime has none it
+    """Binding binds through the IOBinding's pybind object; where onnxruntime has none it
     takes IOBinding's public methods: the same outputs, bit for bit, prefill and steps."""
     target, _, graphs = exported
     ids = torch.randint(3, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     outputs = []
     for attribute in ("_iobinding", "no_such_attribute"):
-        monkeypatch.setattr(CpuBinding, "raw_attribute", attribute)
+        monkeypatch.setattr(Binding, "raw_attribute", attribute)
         ort_target = OrtTarget(graphs["target"], 512)
         ort_target.reset()
         ort_target.add_sequence()
@@ -276,6 +278,22 @@ def test_onnxruntime_binding_by_address_matches_the_public_api(exported, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
     with pytest.raises(ValueError, match="not contiguous"):
         bind_past(entry.binding, ort_target.cache, range(1), 3, 0, ("past_key_0", "past_value_0"))
+
+
+def test_kv_caches_stay_on_the_host_on_the_cpu_provider_and_a_gpu_for_them_needs_the_cuda_one(exported):
+    """kv_device: where the ONNX Runtime backends keep their KV caches. On the CPU provider the
+    host; a GPU is refused unless the session runs on ONNX Runtime's CUDA provider, which reads
+    them there; a place that is neither is refused by name. --backend onnxruntime --device cuda
+    without onnxruntime-gpu says so before loading anything."""
+    _, _, graphs = exported
+    assert OrtTarget(graphs["target"], 512).kv_device == torch.device("cpu")
+    with pytest.raises(ValueError, match="not ONNX Runtime's CUDAExecutionProvider"):
+        OrtTarget(graphs["target"], 512, kv_device="cuda")
+    with pytest.raises(ValueError, match="kv_device mps"):
+        OrtDrafter(graphs["drafter_tree"], SHAPE, kv_device="mps")
+    if ort_cuda_available() is not None:
+        with pytest.raises(ConfigError, match="no CUDAExecutionProvider .install onnxruntime-gpu"):
+            load_pipeline("no-such-target", None, SHAPE, backend="onnxruntime", device="cuda")
 
 
 def test_drafter_graph_rejects_another_tree_shape(exported):
