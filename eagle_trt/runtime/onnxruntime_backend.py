@@ -39,7 +39,7 @@ class _Timed:
     its own cache and bindings, so copies can run side by side."""
     graph_seconds = 0.0
     graph_calls = 0
-    kv_device = torch.device("cpu")     # where the KV caches and their new rows live (kv_device_for)
+    kv_device = torch.device("cpu")     # where the KV caches, their new rows and the logits live (kv_device_for)
 
     def __copy__(self):
         other = object.__new__(type(self))
@@ -111,10 +111,11 @@ def fixed_output_specs(session: ort.InferenceSession, names) -> dict[str, tuple[
 
 
 def kv_device_for(session: ort.InferenceSession, kv_device: str | torch.device | None) -> torch.device:
-    """Where a backend on `session` keeps its KV caches (PyTorch tensors, bound by address).
-    None: on the GPU where the session runs on ONNX Runtime's CUDA provider and PyTorch has a
-    GPU, so the pasts and new rows never cross to the host (a call copies only its small inputs
-    and outputs); else host memory, which a CUDA session copies to the device at each call."""
+    """Where a backend on `session` keeps its KV caches and its logits (PyTorch tensors, bound by
+    address), the large tensors of a call. None: on the GPU where the session runs on ONNX
+    Runtime's CUDA provider and PyTorch has a GPU, so the pasts, new rows and logits never cross
+    to the host (the greedy path reads the graph's acceptance instead; a call copies only its
+    small inputs and outputs); else host memory, which a CUDA session copies across each call."""
     providers = session.get_providers()
     on_cuda = "CUDAExecutionProvider" in providers
     if kv_device is None:
@@ -189,7 +190,7 @@ class OrtTarget(_Timed, TargetBackend):
             bound.buffer(name, torch.int64, shape, output=False)
         # the rows that get logits follow from the shape: all T, or the last (logits_rows)
         bound.buffers["logits_index"].copy_(logits_rows(T, K == 1 and T > 1))
-        bound.buffer("logits", self.logits_dtype, [b, K, self.vocab_size], output=True)
+        bound.buffer("logits", self.logits_dtype, [b, K, self.vocab_size], output=True, device=self.kv_device)
         bound.buffer("captured", self.captured_dtype, [b, T, self.captured_width], output=True)
         if self.graph_accepts:
             for name, shape in zip(ACCEPT_OUTPUTS, ([b, K], [b], [b, K])):
@@ -394,7 +395,7 @@ class OrtIteration(_Timed):
         for name, (dtype, shape) in self.tree_outputs.items():
             bound.buffer(name, dtype, [b if isinstance(x, str) else x for x in shape], output=True)
         bound.buffer("input_ids", torch.int64, [b, T], output=True)
-        bound.buffer("logits", t.logits_dtype, [b, T, t.vocab_size], output=True)
+        bound.buffer("logits", t.logits_dtype, [b, T, t.vocab_size], output=True, device=self.kv_device)
         bound.buffer("captured", t.captured_dtype, [b, T, t.captured_width], output=True)
         for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
             bound.buffer(name, torch.int64, shape, output=True)

@@ -166,10 +166,14 @@ class Bound:
             self.tree = tree
         return self.tree
 
-    def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool) -> torch.Tensor:
+    def buffer(self, name: str, dtype: torch.dtype, shape: list[int], output: bool,
+               device: torch.device | None = None) -> torch.Tensor:
+        """device: a GPU for an output the host does not read as it is (the logits, where the
+        graph accepts greedily), so it never crosses; else host memory, with a numpy view."""
         # inputs zeroed: a value the caller never writes reads as 0, not as leftover memory
-        buf = self.buffers[name] = (torch.empty if output else torch.zeros)(shape, dtype=dtype)
-        self.arrays[name] = buf.numpy()
+        buf = self.buffers[name] = (torch.empty if output else torch.zeros)(shape, dtype=dtype, device=device)
+        if buf.device.type == "cpu":
+            self.arrays[name] = buf.numpy()
         self.binding.bind(name, buf, output=output)
         return buf
 
