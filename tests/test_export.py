@@ -20,7 +20,7 @@ from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
 from eagle_trt.export.graphs import kv_heads_and_dim
-from eagle_trt.export.iteration import PREFIX, compose_iteration
+from eagle_trt.export.iteration import compose_iteration
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget

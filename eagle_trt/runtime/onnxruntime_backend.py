@@ -5,11 +5,12 @@ Host work is kept small: the KV caches are torch tensors in the graphs' own [B, 
 layout, bound as the `past` inputs through zero-copy numpy views; the graph writes its new
 rows into a preallocated staging tensor, from which the commit copies only the accepted rows
 into place (one indexed copy per cache). Those bindings (4L for the target, 4 for the drafter)
-are made once per call shape and kept (`Bindings`): the past is bound at the cache's full
-capacity, so the shape changes only when the cache grows. The call's other inputs and outputs
-are preallocated tensors of the same binding, bound by address: a call copies its few small
-inputs into place and reads its outputs where the graph wrote them (valid until the next call
-of the same shape), so it makes no bindings and allocates nothing."""
+are made once per call shape and kept (`Bindings`, runtime/ort_binding.py): the past is bound
+at the cache's full capacity, so the shape changes only when the cache grows. The call's other
+inputs and outputs are preallocated tensors of the same binding, bound by address: a call
+copies its few small inputs into place and reads its outputs where the graph wrote them (valid
+until the next call of the same shape), so it makes no bindings and allocates nothing. On ONNX
+Runtime's CUDA provider the caches and the logits live on the GPU (`kv_device_for`)."""
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,6 @@ import torch
 from ..config import TreeShape
 from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
 from ..export.iteration import HANDOFF, PREFIX, VERIFY_NODES
-from ..tree import DraftTree
 from .backend import DrafterBackend, KeptRows, TargetBackend, logits_rows
 from .kv_cache import CHUNK
 from .ort_binding import Bindings, Bound
