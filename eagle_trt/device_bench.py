@@ -230,10 +230,10 @@ def summarize(report: dict, plain: str = "captured plain") -> list[dict]:
                                                      if base is not None and e["outputs"] else None),
                      "vs_fastest_plain": rate / best_plain if rate and best_plain else None,
                      "error": e["error"]})
-        cpu = report.get(name.replace("onnxruntime cuda host-kv", "onnxruntime cpu")
-                         .replace("onnxruntime cuda", "onnxruntime cpu"), {}).get("outputs")
-        if name.startswith("onnxruntime cuda") and cpu and e["outputs"]:    # the must-show: fp32 on
-            rows[-1]["identical_to_cpu_provider"] = sum(a == b for a, b in zip(e["outputs"], cpu))  # both
+        if name.startswith("onnxruntime cuda"):   # the must-show: fp32 on both providers, token for token
+            cpu = report.get("onnxruntime cpu " + name.rsplit(" ", 1)[1], {}).get("outputs")   # plain / speculative
+            if cpu and e["outputs"]:
+                rows[-1]["identical_to_cpu_provider"] = sum(a == b for a, b in zip(e["outputs"], cpu))
     return rows
 
 
