@@ -38,7 +38,7 @@ from .export.iteration import HANDOFF, PREFIX, VERIFY_NODES
 from .models.drafter import EagleDrafter
 from .models.streamed import StreamedTarget, TargetCall
 from .models.target import LlamaTarget, causal_mask
-from .parity_sessions import PROVIDERS, WeightsFed, pages_dropped, parity_session  # noqa: F401 - parity's sessions
+from .parity_sessions import PROVIDERS, WeightsFed, parity_session  # noqa: F401 - parity's sessions
 
 # Allowed error per output kind and dtype, as (atol, rtol); an element passes when within
 # either (Polygraphy's element-wise rule). Logits use absolute bounds. The captured states and
@@ -66,8 +66,7 @@ def tolerance_for(output: str, dtype: str, reference: list[dict[str, np.ndarray]
         next(k for k in ("logits", "captured", "scores", "feedback") if k in output)
     atol, rtol = table[kind]
     if atol == "scaled":
-        scale = max(float(np.abs(r[output]).max()) if r[output].size else 0.0 for r in reference)
-        atol = rtol * max(scale, 1.0)
+        atol = rtol * max(_largest(reference, output), 1.0)
     return atol, rtol
 
 
@@ -132,10 +131,6 @@ def _run(module: torch.nn.Module, feed: dict[str, np.ndarray], names: list[str])
     return {n: _np(o) for n, o in zip(names, outs)}
 
 
-def _weight_dtype(model) -> torch.dtype:
-    return model.dtype if isinstance(model, StreamedTarget) else model.embed_tokens.weight.dtype
-
-
 def target_outputs(model: LlamaTarget | StreamedTarget, feeds: list[dict[str, np.ndarray]],
                    on_part=None) -> list[dict[str, np.ndarray]]:
     """The target graph's outputs (TargetGraph) on each feed, computed by the PyTorch model: by a
@@ -181,13 +176,12 @@ def target_case(model: LlamaTarget | StreamedTarget, graph: Path, dtype: str, re
     cfg = model.cfg
     L = cfg.num_hidden_layers
     gen = torch.Generator().manual_seed(seed)
-    wdt = _weight_dtype(model)
     # Random: T random tokens after a past of P random tokens (the past KV is the model's own,
     # so activations have realistic magnitudes), with a random tree-like hole in the mask.
     T, P = 7, 13
     prefix_ids, random_ids = (torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in (P, T))
     batch_ids = torch.randint(0, cfg.vocab_size, (2, T), generator=gen)
-    empty = [(torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=wdt),) * 2 for _ in range(L)]
+    empty = list(zip(*model.empty_past()))
     prefills = [_target_feed(torch.tensor([p]), torch.arange(len(p))[None], causal_mask(len(p), 0), empty)
                 for p in real_prompts]
     first = target_outputs(model, [_target_feed(prefix_ids, torch.arange(P)[None], causal_mask(P, 0), empty,
@@ -320,10 +314,6 @@ class IterationReference(nn.Module):
         states = out[1].gather(1, path[:, :, None].expand(-1, -1, out[1].shape[-1]))
         return (*(t.cpu() for t in tree), ids, *out, states.to(captured.dtype), tokens)
 
-    def forward(self, *inputs):
-        tree, verify = self.draft(*inputs)
-        return self.handoff(tree, verify, target_outputs(self.target, [verify])[0], inputs[0])
-
 
 def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: torch.Tensor) -> torch.Tensor:
     """The iteration graph's glue mask: each sequence's committed rows of a past of `past_rows`,
@@ -334,12 +324,15 @@ def verification_mask(past_lengths: torch.Tensor, past_rows: int, tree_mask: tor
 
 def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, shape: TreeShape, graph: Path,
                    dtype: str, real: list[tuple[dict[str, np.ndarray], list[int]]], seed: int = 0,
-                   on_part=None) -> GraphCase:
+                   on_part=None, prefix_feed: dict[str, np.ndarray] | None = None) -> GraphCase:
     """The iteration graph: real feeds (the iteration after a prompt's prefill: the drafter
     encodes the prompt's captured states, the target's past is the prefill's KV; `real` are the
     target case's prefill references with their drafter ids) and a batch of two with random
     drafter states and pasts, each sequence with its own committed and new lengths. Every feed's
-    drafter part and glue run first, then the target on all of them at once (target_outputs)."""
+    drafter part and glue run first, then the target on all of them at once (target_outputs).
+    The batch's target past is the KV of a random 13-token prefix; prefix_feed: the target
+    case's random feed (target_case with the same seed: the same prefix), whose past it is, so
+    the target is not run over it again (a pass over a StreamedTarget's every weight)."""
     cfg, c = target.cfg, drafter.cfg
     _, target_names = target_io_names(cfg.num_hidden_layers)
     names = [PREFIX + n for n in DRAFT_TREE_OUTPUTS] + ["input_ids"] + target_names + list(HANDOFF)
@@ -370,15 +363,21 @@ def iteration_case(target: LlamaTarget | StreamedTarget, drafter: EagleDrafter, 
             torch.tensor([ids]), (empty, empty), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]),
             _new_kv(prefill, cfg.num_hidden_layers))
     P, Pd, Tp = 13, 11, 4
-    dev = _device(target)
-    with torch.no_grad():
-        prefix = target(torch.randint(0, cfg.vocab_size, (1, P), generator=gen).to(dev), torch.arange(P, device=dev)[None],
-                        causal_mask(P, 0, dev), *target.empty_past(device=dev))
+    prefix_ids = torch.randint(0, cfg.vocab_size, (1, P), generator=gen)   # drawn either way: the batch's draws follow
+    if prefix_feed is not None:
+        prefix_kv = [(torch.from_numpy(prefix_feed[f"past_key_{i}"]), torch.from_numpy(prefix_feed[f"past_value_{i}"]))
+                     for i in range(cfg.num_hidden_layers)]
+    else:
+        dev = _device(target)
+        with torch.no_grad():
+            prefix = target(prefix_ids.to(dev), torch.arange(P, device=dev)[None], causal_mask(P, 0, dev),
+                            *target.empty_past(device=dev))
+        prefix_kv = list(zip(prefix.new_k, prefix.new_v))
     width = c.num_aux_hidden_states * c.target_hidden_size
     batch = (torch.randn(2, Tp, width, generator=gen).to(wdt) * 3, torch.randint(0, c.vocab_size, (2, Tp), generator=gen),
              tuple(torch.randn(2, c.num_key_value_heads, Pd, c.head_dim, generator=gen).to(wdt) for _ in range(2)),
              torch.tensor([Pd, Pd - 5]), torch.tensor([Tp, 2]), torch.tensor([P, P - 4]),
-             [(k.cpu().repeat(2, 1, 1, 1), v.cpu().repeat(2, 1, 1, 1)) for k, v in zip(prefix.new_k, prefix.new_v)])
+             [(k.cpu().repeat(2, 1, 1, 1), v.cpu().repeat(2, 1, 1, 1)) for k, v in prefix_kv])
     label = "batch of 2 (past 13 and 9 rows; drafter past 11 and 6, new 4 and 2 rows)"
     add(label, *batch)
     add(label + ", each tree's best node alone (verify_nodes 1: paths shorter than the drafter rows)", *batch, nodes=1)
@@ -589,7 +588,8 @@ def run_parity(models, shape: TreeShape, graphs: dict[str, Path], dtype: str, nu
     cases += drafter_cases(drafter, shape, graphs, dtype, real)
     if "iteration" in graphs:
         cases.append(iteration_case(target, drafter, shape, graphs["iteration"], dtype,
-                                    [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
+                                    [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)],
+                                    prefix_feed=cases[0].feeds[0]))
     return [check_case(c, bundle_dir, provider) for c in cases]
 
 

@@ -117,4 +117,4 @@ def pages_dropped(maps: list[mmap.mmap], every: float = 0.2):
         drop()
 
 
-__all__ = ["FED_TYPES", "WeightsFed", "pages_dropped", "parity_session"]
+__all__ = ["FED_TYPES", "PROVIDERS", "WeightsFed", "pages_dropped", "parity_session"]

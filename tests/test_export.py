@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 import numpy as np
 import onnx
 import pytest
@@ -56,6 +55,12 @@ def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
     cases.append(iteration_case(target.model, drafter, SHAPE, iteration, "float32",
                                 [(c, ids) for c, (_, ids) in zip(cases[0].reference[1::2], real)]))
     assert len(cases[-1].feeds) == 4            # two real, a batch of two: whole trees and each tree's best node
+    # the batch's target past taken from the target case's random feed (as the build's parity
+    # stage does, not running the target over the prefix again): the same feeds and references
+    given = iteration_case(target.model, drafter, SHAPE, iteration, "float32", [], prefix_feed=cases[0].feeds[0])
+    assert all(np.array_equal(a[k], b[k]) for x, y in ((cases[-1].feeds[2:], given.feeds),
+                                                      (cases[-1].reference[2:], given.reference))
+               for a, b in zip(x, y) for k in a)
     for case in cases:
         report = check_case(case, tmp_path / "bundles")
         assert report.passed, [o for o in report.outputs if not o.passed]

@@ -79,7 +79,8 @@ def run_parity_stage(b, out: Path) -> dict:
         progress.step(f"iteration graph composed in {composed.seconds:.1f}s")
         cases.append(iteration_case(target, drafter, shape, composed.path, "float16" if "float16" in (tdt, ddt) else tdt,
                                     [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)],
-                                    on_part=_parts_progress(b, target, "iteration reference", passes=1)))
+                                    on_part=_parts_progress(b, target, "iteration reference", passes=1),
+                                    prefix_feed=tcase.feeds[0]))
     # Every float reference is computed (the target's part by part: models/streamed.py); the
     # fake-quant references are the float models made quantized: the target read part by part with
     # its Linears swapped as each part is read, a drafter in place. The drafter goes before ONNX
@@ -125,7 +126,7 @@ def _parts_progress(b, target, label: str, passes: int = 2):
     if not isinstance(target, StreamedTarget):
         return None
     bar = Progress("parity", passes * len(target.parts()), b.log, label, every=10.0)
-    return lambda part: bar.step(part)
+    return bar.step
 
 
 def _fake_quant_reference(b, model: str, module):
