@@ -22,15 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import ConfigError, DrafterConfig, TargetConfig, read_json
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget
-from .tensor_files import CheckpointError
+from .tensor_files import CheckpointError, TensorFiles
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def cache_dir() -> Path:
@@ -60,41 +59,10 @@ def atomic_dir(final: Path):
 # ----------------------------------------------------------------------------- raw tensors
 
 def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """All tensors of a checkpoint folder and the file they came from."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: checkpoint folder not found")
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        path = folder / "model.safetensors"
-        return _load_safetensors(path), path
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: missing 'weight_map'")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(_load_safetensors(folder / shard))
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise CheckpointError(f"{index}: tensors listed but absent from the shards: {missing[:5]}")
-        return tensors, index
-    if (folder / "pytorch_model.bin").is_file():
-        path = folder / "pytorch_model.bin"
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True), path
-        except Exception as exc:  # noqa: BLE001 - surface the file name with any unpickling error
-            raise CheckpointError(f"{path}: cannot read ({exc})") from None
-    raise CheckpointError(f"{folder}: no weights found (expected one of {', '.join(WEIGHT_FILES)})")
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: weight file not found")
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    """All tensors of a checkpoint folder, as its files store them, and the file they came from
+    (tensor_files.TensorFiles: the same files, checks and errors as a target read part by part)."""
+    files = TensorFiles(folder)
+    return {name: files.read(name) for name in files.entries}, files.source
 
 
 def rename_tensors(tensors: dict[str, torch.Tensor], rename) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -258,28 +226,37 @@ def resolve_target(spec: str | Path) -> Path:
     return path
 
 
-_HF_LAYER = re.compile(r"^model\.")
+HF_PREFIX = re.compile(r"^model\.")     # transformers' names: model.layers.0... for our layers.0...
 
 
 def load_target(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedTarget:
     folder = resolve_target(spec)
     cfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
     tensors, source = read_state_dict(folder)
-    tensors, origin = rename_tensors(tensors, lambda k: _HF_LAYER.sub("", k))
+    tensors, origin = rename_tensors(tensors, lambda k: HF_PREFIX.sub("", k))
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the embedding is the head
     with parameters_on_meta():
         model = LlamaTarget(cfg)
-    # One copy of the weights at a time: each file tensor is converted, then dropped.
-    tensors = {name: tensors.pop(name).to(dtype) if tensors[name].is_floating_point() else tensors.pop(name)
-               for name in list(tensors)}
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_exact(model, tensors, source, optional, origin, assign=True)
-    model.tie_weights()
-    unloaded = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    _assign_weights(model, tensors, dtype, source, optional, origin, tie=model.tie_weights)
+    return LoadedTarget(model.to(dtype).eval(), cfg, folder)
+
+
+def _assign_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: Path,
+                    optional: tuple[str, ...], origin: dict[str, str], tie=None) -> None:
+    """The file's tensors as the parameters of `module` (made on the meta device), floats in
+    `dtype`; tie: ties shared parameters after (a tied head). One copy of the weights at a
+    time: each file tensor is converted, then dropped from `tensors`' values."""
+    for name in list(tensors):
+        if tensors[name].is_floating_point():
+            tensors[name] = tensors.pop(name).to(dtype)
+    load_exact(module, tensors, source, optional, origin, assign=True)
+    if tie is not None:
+        tie()
+    unloaded = [name for name, p in module.named_parameters() if p.device.type == "meta"]
     if unloaded:       # load_exact names missing tensors; this would be a parameter it was told to skip
         raise CheckpointError(f"{source}: no weights for {unloaded[:5]}")
-    return LoadedTarget(model.to(dtype).eval(), cfg, folder)
 
 
 # ----------------------------------------------------------------------------- drafter
@@ -318,8 +295,9 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
     with parameters_on_meta():        # no random init of weights the file replaces (an 8B vocabulary's table)
         drafter = EagleDrafter(dcfg)
+    streamed = hasattr(target, "read")     # a StreamedTarget: its device and dtype
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
-        drafter.embed_tokens.weight = _target_embedding(target)
+        drafter.embed_tokens.weight = _target_embedding(target, streamed)
         drafter.embed_shared = True
     elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
         raise CheckpointError(f"{source}: tensor '{origin['embed_tokens.weight']}' has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
@@ -332,15 +310,8 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
             raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
                                   f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
     optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
-    streamed = hasattr(target, "read")     # a StreamedTarget: its device and dtype
     want = dtype or (target.dtype if streamed else target.model.embed_tokens.weight.dtype)
-    # One copy of the weights at a time: each file tensor is converted, then dropped.
-    tensors = {name: tensors.pop(name).to(want) if tensors[name].is_floating_point() else tensors.pop(name)
-               for name in list(tensors)}
-    load_exact(drafter, tensors, source, optional, origin, assign=True)
-    unloaded = [name for name, p in drafter.named_parameters() if p.device.type == "meta"]
-    if unloaded:
-        raise CheckpointError(f"{source}: no weights for {unloaded[:5]}")
+    _assign_weights(drafter, tensors, want, source, optional, origin)
     _check_d2t(drafter, source)
     if "t2d" not in tensors:
         drafter.t2d.zero_()
@@ -348,10 +319,10 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
     return drafter.to(target.device if streamed else target.model.embed_tokens.weight.device, want).eval()
 
 
-def _target_embedding(target) -> torch.nn.Parameter:
+def _target_embedding(target, streamed: bool) -> torch.nn.Parameter:
     """The target's embedding table: a loaded target's own parameter (shared), a StreamedTarget's
     read from its files (a copy: the drafter needs it whole, the target only part by part)."""
-    if hasattr(target, "read"):
+    if streamed:
         return torch.nn.Parameter(target.read("embed_tokens.weight"), requires_grad=False)
     return target.model.embed_tokens.weight
 

@@ -29,6 +29,9 @@ MAX_HEADER = 100 << 20          # safetensors refuses headers above 100 MB too
 READ_BLOCK = 64 << 20
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")   # in this order
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, or does not fit its partner model."""
 
@@ -109,8 +112,7 @@ class TensorFiles:
             self.source = self.folder / "pytorch_model.bin"
             self._read_torch_bin(self.source)
         else:
-            raise CheckpointError(f"{self.folder}: no weights found (expected one of model.safetensors, "
-                                  f"model.safetensors.index.json, pytorch_model.bin)")
+            raise CheckpointError(f"{self.folder}: no weights found (expected one of {', '.join(WEIGHT_FILES)})")
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -148,13 +150,15 @@ class TensorFiles:
         """The tensor `name` (a file's name for it), converted to `dtype` when given."""
         entry = self.entries[name]
         if self._torch_bin is not None:
-            value = self._torch_bin[name].clone()
+            value = self._torch_bin[name]
         else:
             value = torch.empty(entry.shape, dtype=entry.dtype)
             _read_into(entry, value)
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
-        return value.to(device)
+        value = value.to(device)
+        # a tensor of the mapped .bin file as it is: copied, so that the file's memory can go
+        return value.clone() if self._torch_bin is not None and value is self._torch_bin[name] else value
 
 
 def _read_into(entry: TensorEntry, value: torch.Tensor) -> None:
@@ -172,4 +176,4 @@ def _read_into(entry: TensorEntry, value: torch.Tensor) -> None:
             done += n
 
 
-__all__ = ["CheckpointError", "TensorEntry", "TensorFiles"]
+__all__ = ["WEIGHT_FILES", "CheckpointError", "TensorEntry", "TensorFiles"]

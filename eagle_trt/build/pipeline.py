@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
 import gc
 import hashlib
 import json
@@ -137,10 +136,10 @@ class Build:
             return self._done(StageResult(name, "skipped", skip.reason, time.perf_counter() - start, key))
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)     # nothing half-written stays behind
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            from ..export.graph_files import DISK_FULL_ERRNOS, DiskFull
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
                 raise BuildError(f"{self.store.root}: the {name} stage stopped: {exc}; free space on that file system "
                                  f"and run the build again (completed stages are kept)") from None
-            from ..export.graph_files import DiskFull
             if isinstance(exc, DiskFull):
                 raise DiskFull(f"the {name} stage stopped: {exc}") from None
             raise
@@ -225,11 +224,10 @@ class Build:
         from ..checkpoints import check_drafter_fits, resolve_target
         cfg = self.cfg
         folder = resolve_target(cfg.target.source)
-        tcfg = TargetConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
         # every weights file read as far as its header: a missing or truncated shard, or a tensor
         # that does not fit the config, is named now rather than minutes into a later stage
         from ..models.streamed import StreamedTarget
-        StreamedTarget(folder, device="cpu")
+        tcfg = StreamedTarget(folder, device="cpu").config
         drafter = None if cfg.drafter.source == "default" else Path(cfg.drafter.source)
         if drafter is None:
             drafter = default_drafter_path(cfg.target.source)

@@ -57,6 +57,9 @@ def proto_bytes(model: onnx.ModelProto) -> int:
         return 1 << 31
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)   # no space, no quota, a file size limit
+
+
 @contextmanager
 def writing(path: str | Path):
     """Turn a full disk (or a file size limit) while writing `path` into an error naming the file,
@@ -65,7 +68,7 @@ def writing(path: str | Path):
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if exc.errno not in DISK_FULL_ERRNOS:
             raise
         path = Path(path)
         size = path.stat().st_size if path.is_file() else 0

@@ -17,7 +17,6 @@ Linear of a part becomes its QuantLinear as the part is read, and goes with it."
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,9 +28,6 @@ from torch import Tensor, nn
 from ..config import CaptureLayers, TargetConfig, read_json
 from ..tensor_files import CheckpointError, TensorFiles
 from .target import LlamaTarget, TargetOutput
-
-HF_PREFIX = re.compile(r"^model\.")     # transformers' names: model.layers.0... for our layers.0...
-
 
 @dataclass
 class TargetCall:
@@ -55,7 +51,7 @@ class WeightRef:
 
 class StreamedTarget:
     def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        from ..checkpoints import check_shapes, parameters_on_meta
+        from ..checkpoints import HF_PREFIX, check_shapes, parameters_on_meta
         self.folder = Path(folder)
         self.config = TargetConfig.from_hf(read_json(self.folder / "config.json"), str(self.folder / "config.json"))
         self.files = TensorFiles(self.folder)
@@ -70,7 +66,7 @@ class StreamedTarget:
         expected = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
         optional = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
         check_shapes(expected, {k: self.files.shape(v) for k, v in names.items()}, self.files.source, optional,
-                     {k: v for k, v in names.items()})
+                     names)
         if self.config.tie_word_embeddings:
             names["lm_head.weight"] = names["embed_tokens.weight"]
         self.keys = names                         # module parameter name -> the file's name for it
@@ -153,9 +149,6 @@ class StreamedTarget:
     def tokenizer(self):
         from ..checkpoints import LoadedTarget
         return LoadedTarget(self.model, self.config, self.folder).tokenizer()
-
-    def linear_paths(self) -> list[str]:
-        return [name for name, m in self.model.named_modules() if isinstance(m, nn.Linear)]
 
     # ------------------------------------------------------------------ forward, part by part
 
