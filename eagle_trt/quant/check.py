@@ -25,7 +25,7 @@ from torch import nn
 from ..export.graph_files import save_graph
 from ..models.streamed import StreamedTarget
 from .config import QuantError
-from .fakequant import QuantLinear
+from .fakequant import QuantLinear, linear_paths
 from .onnx_qdq import module_for_node
 from .run import fp8_session, is_nvfp4_graph, reference_evaluator
 
@@ -142,17 +142,15 @@ def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
             probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent, share_data=True)[0]
             values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
-    paths = {}
-    for node, _ in pairs:
+    by_path: dict[str, list] = {}       # module path -> its (MatMul, quantizer) pairs
+    for node, quantizer in pairs:
         path = module_for_node(node.name, layers)
         if path is None:
             raise QuantError(f"{graph}: quantized node '{node.name}' has no QuantLinear in the reference model")
-        paths[node.name] = path
+        by_path.setdefault(path, []).append((node, quantizer))
     report = {}
-    for path, layer in _quant_linears(reference, set(paths.values())):
-        for node, quantizer in pairs:
-            if paths[node.name] != path:
-                continue
+    for path, layer in _quant_linears(reference, set(by_path)):
+        for node, quantizer in by_path[path]:
             x = torch.from_numpy(values[quantizer.input[0]]).to(layer.input_scale.device)   # float32, as quantized
             with torch.no_grad():   # on the reference's device; the graph adds the bias after its MatMul
                 expected = layer(x, bias=False).cpu()
@@ -168,8 +166,7 @@ def _quantized_paths(reference) -> list[str]:
     those it makes as it reads each part)."""
     if isinstance(reference, StreamedTarget):
         cfg = reference.fake_quant[0]
-        return [p for p in reference.linear_paths()
-                if cfg.skip_reason(p, reference.model.get_submodule(p).in_features) is None]
+        return [p for p, linear in linear_paths(reference.model).items() if cfg.skip_reason(p, linear.in_features) is None]
     return [path for path, m in reference.named_modules() if isinstance(m, QuantLinear)]
 
 
