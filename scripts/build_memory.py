@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -115,7 +116,7 @@ print("MEMORY " + json.dumps({"exit": code, "seconds": time.time() - start, "pea
 
 # ----------------------------------------------------------------------------- the checkpoint
 
-def _random_tensor(name: str, shape: tuple, gen):
+def _random_tensor(shape: tuple, gen):
     """transformers' initialization: normal(0, 0.02) matrices, RMSNorm weights of ones."""
     import torch
     if len(shape) == 1:
@@ -148,7 +149,7 @@ def write_checkpoint(folder: Path, shape: dict, shard_size: str) -> Path:
     tmp.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
     for i, (file, names) in enumerate(split.filename_to_tensors.items()):
-        tensors = {n: _random_tensor(n, tuple(state[n].shape), gen) for n in names}
+        tensors = {n: _random_tensor(tuple(state[n].shape), gen) for n in names}
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         print(f"  wrote {file} ({i + 1}/{len(split.filename_to_tensors)})", flush=True)
         del tensors
@@ -165,17 +166,10 @@ def write_checkpoint(folder: Path, shape: dict, shard_size: str) -> Path:
 
 
 def parameter_count(folder: Path) -> int:
-    """Parameters of the checkpoint, from its safetensors headers."""
-    from safetensors import safe_open
-    n = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                count = 1
-                for d in st.get_slice(key).get_shape():
-                    count *= d
-                n += count
-    return n
+    """Parameters of the checkpoint, from its weights files' headers."""
+    from eagle_trt.tensor_files import TensorFiles
+    files = TensorFiles(folder)
+    return sum(math.prod(files.shape(name)) for name in files.entries)
 
 
 # ----------------------------------------------------------------------------- the builds
@@ -265,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     name = f"synthetic-{args.shape}" + (f"-{args.layers}-layers" if args.layers is not None else "")
     print(f"writing or reusing {args.out / name}", flush=True)
     target = write_checkpoint(args.out / name, shape, SHARD_BYTES[args.shape])
-    params = parameter_count(target)
-    print(f"target {target}: {params / 1e9:.3f} B parameters, {disk_bytes(target) / 1e9:.2f} GB on disk", flush=True)
+    params, checkpoint_bytes = parameter_count(target), disk_bytes(target)
+    print(f"target {target}: {params / 1e9:.3f} B parameters, {checkpoint_bytes / 1e9:.2f} GB on disk", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     rows = []
     for config in args.configs.split(","):
@@ -285,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {config} {precision}: exit {m['exit']}, {m['seconds']:.0f} s, peak RSS "
                   f"{m['peak_rss_bytes'] / 1e9:.2f} GB = {m['peak_over_base_weights']:.2f}x the {m['base']} weights "
                   f"(+{m['overhead_bytes'] / 1e9:.2f} GB), in {m['peak_stage']}", flush=True)
-    report = {"target": str(target), "shape": shape, "parameters": params, "checkpoint_disk_bytes": disk_bytes(target),
+    report = {"target": str(target), "shape": shape, "parameters": params, "checkpoint_disk_bytes": checkpoint_bytes,
               "threads": args.threads, "builds": rows}
     (args.out / "memory.json").write_text(json.dumps(report, indent=2))
     print_table(rows)
