@@ -24,7 +24,6 @@ from eagle_trt.build.store import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-torch.set_num_threads(1)
 
 
 def statuses(manifest) -> dict[str, str]:

@@ -12,6 +12,8 @@ import pytest
 import eagle_trt
 from eagle_trt.codehash import code_digest, module_closure
 
+from conftest import capturing
+
 PACKAGE = Path(eagle_trt.__file__).parent
 EXPORTER = "eagle_trt.export.onnx_export"
 
@@ -55,22 +57,20 @@ def test_a_change_to_the_exporters_code_changes_its_key(tmp_path, rel, old, new,
     assert (code_digest(EXPORTER, root=root) != before) == changes
 
 
-def test_export_pipeline_exports_again_when_its_code_changes(tiny_target, tmp_path, monkeypatch):
+def test_export_pipeline_exports_again_when_its_code_changes(tiny_target, tiny_drafter, tmp_path, monkeypatch):
     """export_pipeline's graphs (the tests' shared SmolLM2 graphs, bench's) with the key taken
     from a copy of the package: unchanged code reuses them, a changed constant in the target
     model re-exports both graphs."""
     from eagle_trt.api import Models
-    from eagle_trt.checkpoints import random_drafter
     from eagle_trt.config import TreeShape
     import eagle_trt.export as export
     root = package_copy(tmp_path / "src")
     monkeypatch.setattr(export, "code_digest", lambda *modules: code_digest(*modules, root=root))
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    target = capturing(tiny_target, tiny_drafter)
     out = tmp_path / "graphs"
 
     def export_times():
-        paths = export.export_pipeline(Models(tiny_target, drafter, "drafters/mine", None), TreeShape(2, 2, 3), out,
+        paths = export.export_pipeline(Models(target, tiny_drafter, "drafters/mine", None), TreeShape(2, 2, 3), out,
                                        log=None)
         return {name: p.stat().st_mtime_ns for name, p in paths.items()}
     first = export_times()

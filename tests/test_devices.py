@@ -13,7 +13,7 @@ from eagle_trt.devices import resolve_device, resolve_dtype
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 
-from conftest import write_tiny_hf_target
+from conftest import share, write_tiny_hf_target
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="PyTorch sees no CUDA device on this machine")
@@ -59,12 +59,14 @@ def test_every_cli_refuses_cuda_without_a_gpu_in_one_line(cli, tmp_path, capsys)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(request, tmp_path_factory):
     target = load_target(write_tiny_hf_target(tmp_path_factory.mktemp("dev"), family="qwen3", extra=dict(head_dim=16),
                                               layers=4, std=0.25, vocab=128))
     drafter = random_drafter(target, "eagle3.1", seed=1, draft_vocab_size=64)
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 33)]
+    share(request, target, "tiny target")
+    share(request, drafter, "tiny drafter")
     return target, drafter, prompts
 
 

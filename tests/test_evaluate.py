@@ -8,7 +8,7 @@ import pytest
 from eagle_trt import evaluate, workloads
 from eagle_trt.config import ConfigError
 
-from conftest import onnx_dir_copy
+from conftest import capturing, onnx_dir_copy
 
 
 def test_depth_rates_by_hand():
@@ -107,10 +107,10 @@ def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path
     d31 = random_drafter(smollm2, "eagle3.1", seed=0, draft_vocab_size=2048)
     seq = workloads.build(smollm2.tokenizer(), "mtbench", 1)[0][:40]
     assert len(seq) == 40
-    smollm2.model.set_capture(d31.cfg.capture_for(smollm2.config))
+    model = capturing(smollm2, d31).model
     with torch.inference_mode():
-        pk, pv = smollm2.model.empty_past(1)
-        captured = smollm2.model(torch.tensor([seq]), torch.arange(40)[None], causal_mask(40, 0), pk, pv).captured[0]
+        pk, pv = model.empty_past(1)
+        captured = model(torch.tensor([seq]), torch.arange(40)[None], causal_mask(40, 0), pk, pv).captured[0]
         stats = diagnose.chain_stats(d31, captured, seq, [20, 30], depth=4, sinks=4)
         # the same chain by hand: the norm of EAGLE 3.1's feedback is that of norm(h2)
         hidden = d31.project(captured[None, :39])
@@ -218,14 +218,10 @@ def test_decoding_threads_hold_inside_every_timed_loop_and_restore_after():
     import torch
 
     from eagle_trt.runtime.timing import HOST_THREADS, decoding_threads
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with decoding_threads():
-            assert torch.get_num_threads() == HOST_THREADS
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(2)             # conftest's _shared_fixtures_unchanged sets it back
+    with decoding_threads():
+        assert torch.get_num_threads() == HOST_THREADS
+    assert torch.get_num_threads() == 2
 
 
 def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():

@@ -28,7 +28,7 @@ from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTar
 from eagle_trt.runtime.ort_binding import Binding, bind_past
 from eagle_trt.tree import DraftTree
 
-from conftest import PlantedDrafter
+from conftest import PlantedDrafter, capturing
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
@@ -37,12 +37,12 @@ SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 def exported(request, tiny_target, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"graphs_{request.param}")
     drafter = random_drafter(tiny_target, request.param, seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
-    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+    target = capturing(tiny_target, drafter)
+    graphs = {"target": export_target(target.model, folder / "target.onnx").path,
               "drafter_tree": export_drafter_tree(drafter, SHAPE, folder / "drafter_tree.onnx").path,
               "drafter_step_first": export_drafter_step(drafter, folder / "step_first.onnx", True).path,
               "drafter_step": export_drafter_step(drafter, folder / "step.onnx", False).path}
-    return tiny_target, drafter, graphs
+    return target, drafter, graphs
 
 
 def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
@@ -360,7 +360,7 @@ def test_failed_export_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch)
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tmp_path):
+def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tiny_drafter, tmp_path):
     """An fp16 target graph: parity with the fp16 PyTorch model, and its own logits (not the
     fp16 model's) within fp16 rounding of the fp32 model's. Composed with a float32 drafter
     graph, the iteration graph matches PyTorch (fp16 target, fp32 drafter) on every output,
@@ -378,7 +378,7 @@ def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tm
     ref32 = target_case(tiny_target.model, path, "float32", [prompt]).reference[1]["logits"]
     error = np.abs(graph_logits - ref32).max()
     assert 0 < error < 0.1, f"fp16 graph vs fp32 model: max abs {error}"
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    drafter = tiny_drafter
     tree_graph = export_drafter_tree(drafter, SHAPE, tmp_path / "drafter_tree.onnx").path
     iteration = compose_iteration(path, tree_graph, tmp_path / "iteration.onnx").path
     real = [(case.reference[1], prompt[1:] + [int(case.reference[1]["logits"][0, -1].argmax())])]
@@ -417,17 +417,17 @@ def test_fp16_graph_checked_against_the_fp32_model_within_twice_the_fp16_models_
     assert failed == {"logits"}
 
 
-def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):
+def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tiny_drafter, tmp_path):
     """Graphs are reused while their key matches; a drafter with new weights under the same
     source name (retrained into the same folder) gets a new drafter graph, the target's is kept."""
     from eagle_trt.api import Models
     from eagle_trt.export import export_pipeline
-    first = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(first.cfg.capture_for(tiny_target.config))
+    first = tiny_drafter
+    target = capturing(tiny_target, first)
     shape = TreeShape(depth=2, top_k=2, total_tokens=3)
 
     def export(drafter):
-        paths = export_pipeline(Models(tiny_target, drafter, "drafters/mine", None), shape, tmp_path, log=None)
+        paths = export_pipeline(Models(target, drafter, "drafters/mine", None), shape, tmp_path, log=None)
         return {name: p.stat().st_mtime_ns for name, p in paths.items()}
     before = export(first)
     assert export(first) == before                                     # nothing re-exported

@@ -15,7 +15,7 @@ from eagle_trt.config import TreeShape
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
 
-from conftest import NEW_TOKENS, NUM_PROMPTS, check_planted_greedy
+from conftest import NEW_TOKENS, NUM_PROMPTS, capturing, check_planted_greedy
 
 SHAPES = {"chain": TreeShape.chain(5), "tree": TreeShape(depth=5, top_k=4, total_tokens=24)}
 # Each variant once and each shape once, not their product: the decoding loop and backends never
@@ -28,20 +28,19 @@ PAIRS = [("eagle3", "chain"), ("eagle3.1", "tree")]
 @pytest.mark.parametrize("variant,shape_name", PAIRS)
 def test_speculative_greedy_equals_transformers_generate(smollm2, mtbench_ids, hf_greedy, variant, shape_name):
     drafter = TorchDrafter(random_drafter(smollm2, variant, seed=1, draft_vocab_size=4096), SHAPES[shape_name])
-    smollm2.model.set_capture(drafter.model.cfg.capture_for(smollm2.config))
-    check_planted_greedy(TorchTarget(smollm2.model), drafter, mtbench_ids, hf_greedy, smollm2.config.eos_token_ids,
+    check_planted_greedy(TorchTarget(capturing(smollm2, drafter.model).model), drafter, mtbench_ids, hf_greedy, smollm2.config.eos_token_ids,
                          batch=3 if shape_name == "chain" else 8)
 
 
 @pytest.mark.slow
 def test_unplanted_drafter_and_autoregressive_equal_transformers(smollm2, mtbench_ids, hf_greedy):
     drafter = random_drafter(smollm2, "eagle3.1", seed=0, draft_vocab_size=4096)
-    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
-    dec = SpeculativeDecoder(TorchTarget(smollm2.model), TorchDrafter(drafter, TreeShape(3, 2, 6)),
+    target = capturing(smollm2, drafter)
+    dec = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, TreeShape(3, 2, 6)),
                              smollm2.config.eos_token_ids)
     for ids, ref in zip(mtbench_ids[:3], hf_greedy[:3]):
         assert dec.generate(ids, NEW_TOKENS).tokens == ref
-        assert generate_autoregressive(TorchTarget(smollm2.model), ids, NEW_TOKENS,
+        assert generate_autoregressive(TorchTarget(target.model), ids, NEW_TOKENS,
                                        smollm2.config.eos_token_ids).tokens == ref
 
 
@@ -50,8 +49,7 @@ def test_unplanted_drafter_and_autoregressive_equal_transformers(smollm2, mtbenc
 def test_shipped_drafters_are_lossless(smollm2, mtbench_ids, hf_greedy, variant):
     drafter = load_drafter(SHIPPED_DRAFTERS / f"smollm2-{variant}", smollm2)
     assert drafter.cfg.variant == variant
-    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
-    dec = SpeculativeDecoder(TorchTarget(smollm2.model), TorchDrafter(drafter, TreeShape(5, 4, 16)),
+    dec = SpeculativeDecoder(TorchTarget(capturing(smollm2, drafter).model), TorchDrafter(drafter, TreeShape(5, 4, 16)),
                              smollm2.config.eos_token_ids)
     # The planted tests above cover every prompt, one at a time and batched; the trained drafters'
     # real trees, half of them, decoded as one batch (half the seconds of one at a time).

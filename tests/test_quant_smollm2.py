@@ -25,38 +25,30 @@ from eagle_trt.runtime.backend import TorchDrafter
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.train.data import in_split
 
-from conftest import PlantedDrafter
+from conftest import PlantedDrafter, capturing, rel_l2
 
 pytestmark = pytest.mark.slow
-torch.set_num_threads(1)
 TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
 SPEC_TOKENS = 16
-
-
-def rel_l2(a, b) -> float:
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2, smollm2_tokenizer, smollm2_onnx_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("quant_smol")
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=4096)
-    before = smollm2.model.capture
-    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
+    target = capturing(smollm2, drafter)
     prompts = calibration_prompts(smollm2_tokenizer, count=8, max_tokens=192)
     ids = [p for _, p in prompts]
     amax = {"target": load_calibration(save_calibration(folder / "target.amax.json",
-                                                        calibrate_target(smollm2.model, ids))),
+                                                        calibrate_target(target.model, ids))),
             "drafter": load_calibration(save_calibration(folder / "drafter.amax.json",
-                                                         calibrate_drafter(drafter, smollm2.model, ids, TREE)))}
+                                                         calibrate_drafter(drafter, target.model, ids, TREE)))}
     graphs = {"target": smollm2_onnx_dir / "target.onnx",     # exported once for the session, same capture layers
               "drafter": export_drafter_tree(drafter, TREE, folder / "drafter.onnx").path}
-    for name, model in (("target", smollm2.model), ("drafter", drafter)):
+    for name, model in (("target", target.model), ("drafter", drafter)):
         quantize_onnx(graphs[name], folder / f"{name}.fp8.onnx", QuantConfig("fp8"), amax[name], linear_paths(model))
         graphs[name, "fp8"] = folder / f"{name}.fp8.onnx"
-    yield {"drafter": drafter, "prompts": prompts, "amax": amax, "graphs": graphs, "folder": folder}
-    smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
+    return {"drafter": drafter, "prompts": prompts, "amax": amax, "graphs": graphs, "folder": folder, "target": target}
 
 
 def target_feeds(cfg, ids: list[int]) -> dict[str, np.ndarray]:
@@ -87,13 +79,13 @@ def test_calibration_prompts_are_held_out_sharegpt(smol, mtbench_ids, smollm2):
     tok = smollm2.tokenizer()
     texts = [tok.decode(ids) for _, ids in prompts]
     assert not any(q.strip()[:60] in t for q in mtbench_prompts() for t in texts)
-    for name, model in (("target", smollm2.model), ("drafter", smol["drafter"])):
+    for name, model in (("target", smol["target"].model), ("drafter", smol["drafter"])):
         assert set(smol["amax"][name]) == set(linear_paths(model))
         assert all(v > 0 for v in smol["amax"][name].values())
 
 
 def test_fp8_smollm2_graph_matches_reference_layer_by_layer(smol, smollm2, mtbench_ids):
-    reference, summary = quantized_copy(smollm2.model, QuantConfig("fp8"), smol["amax"]["target"])
+    reference, summary = quantized_copy(smol["target"].model, QuantConfig("fp8"), smol["amax"]["target"])
     assert len(summary.quantized) == 30 * 7 and summary.skipped == {"lm_head": "skip pattern 'lm_head'"}
     feeds = target_feeds(smollm2.config, mtbench_ids[0])
     report = layer_parity(str(smol["graphs"]["target", "fp8"]), reference, feeds)
@@ -104,9 +96,9 @@ def test_fp8_smollm2_graph_matches_reference_layer_by_layer(smol, smollm2, mtben
     # End to end over all 30 layers, for the record (rounding-flip cascade, not an arithmetic error).
     with torch.no_grad():
         T = len(mtbench_ids[0])
-        past = smollm2.model.empty_past()
+        past = smol["target"].model.empty_past()
         args = (torch.tensor([mtbench_ids[0]]), torch.arange(T)[None], causal_mask(T, 0), *past)
-        ref, flt = reference(*args).logits, smollm2.model(*args).logits
+        ref, flt = reference(*args).logits, smol["target"].model(*args).logits
     got = run_graph(smol["graphs"]["target", "fp8"], feeds)["logits"]
     print(f"SmolLM2 FP8, 30 layers end to end: graph vs reference {rel_l2(got, ref):.2e}, "
           f"reference vs float {rel_l2(ref, flt):.2e}")
@@ -143,7 +135,8 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
     for ids in mtbench_ids[:4]:
         T = len(ids)
         with torch.no_grad():
-            out = smollm2.model(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T, 0), *smollm2.model.empty_past())
+            model = smol["target"].model
+            out = model(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T, 0), *model.empty_past())
         captured, next_ids = out.captured[0], torch.tensor(ids[1:] + [int(out.logits[0, -1].argmax())])
         ref = TorchDrafter(reference, TREE)
         trees = []

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import eagle_trt.runtime.decoder as decoder_mod
-from conftest import frozen_trim, oracle_drafter, write_tiny_hf_target
+from conftest import capturing, frozen_trim, oracle_drafter, share, write_tiny_hf_target
 from eagle_trt import verify
 from eagle_trt.checkpoints import LoadedTarget, load_target, random_drafter
 from eagle_trt.config import CaptureLayers, SamplingConfig, TreeShape
@@ -33,21 +33,11 @@ SHAPE = TreeShape(depth=3, top_k=3, total_tokens=8)
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Thousands of tiny forwards: one intra-op thread avoids OpenMP barrier stalls, which
-    dominate (10x and more) when the two cores are shared with other processes."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
-def small_target(tmp_path_factory) -> LoadedTarget:
+def small_target(request, tmp_path_factory) -> LoadedTarget:
     folder = write_tiny_hf_target(tmp_path_factory.mktemp("small_vocab"), vocab=VOCAB, hidden=32, layers=4, heads=4,
                                   kv_heads=2, seed=3)
-    return load_target(folder)
+    return share(request, load_target(folder))
 
 
 def _oracle(target: LoadedTarget, variant: str = "eagle3.1", noise: float = 0.05, seed: int = 1):
@@ -66,8 +56,7 @@ def _random(target: LoadedTarget, variant: str = "eagle3", seed: int = 4, draft_
 
 
 def _decoder(target: LoadedTarget, drafter, shape: TreeShape = SHAPE) -> SpeculativeDecoder:
-    target.model.set_capture(drafter.cfg.capture_for(target.config))
-    return SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), eos_ids=[],
+    return SpeculativeDecoder(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, shape), eos_ids=[],
                               vocab_size=target.config.vocab_size)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import oracle_drafter, write_tiny_hf_target
+from conftest import (LIMITS, PROMPT_LENGTHS, capturing, oracle_drafter, plant_path, random_prompts, share,
+                      write_tiny_hf_target)
 from eagle_trt.checkpoints import load_target, random_drafter
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
@@ -17,27 +18,25 @@ from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_auto
 from eagle_trt.runtime.static import StaticDecoder
 
 SHAPES = [TreeShape(depth=4, top_k=3, total_tokens=10), TreeShape.chain(3), TreeShape(depth=5, top_k=2, total_tokens=4)]
-LIMITS = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(request, tmp_path_factory):
     """A small-vocabulary target (its oracle drafter's drafts are accepted several deep), an
     oracle EAGLE 3.1 and a random EAGLE-3 drafter, prompts and their greedy continuations."""
     target = load_target(write_tiny_hf_target(tmp_path_factory.mktemp("static"), vocab=16, hidden=32, layers=4,
                                               heads=4, kv_heads=2, seed=3))
     drafters = {"oracle": oracle_drafter(target, "eagle3.1", noise=0.02, seed=1),
                 "random": random_drafter(target, "eagle3", seed=4, draft_vocab_size=8, std=0.3)}
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).tolist()
-               for n in (5, 31, 12, 1, 47, 9, 20, 3, 16, 26)]
+    prompts = random_prompts(target.config.vocab_size, PROMPT_LENGTHS)
     references = [generate_autoregressive(TorchTarget(target.model), p, n, []).tokens for p, n in zip(prompts, LIMITS)]
+    share(request, target, "static target")
     return target, drafters, prompts, references
 
 
 def _static(target, drafter, shape, eos=(), **kw) -> StaticDecoder:
     if drafter is not None:
-        target.model.set_capture(drafter.cfg.capture_for(target.config))
+        target = capturing(target, drafter)
     return StaticDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape) if drafter is not None else None,
                          eos, target.config.vocab_size, capacity=kw.pop("capacity", 160), **kw)
 
@@ -50,7 +49,8 @@ def test_static_iteration_equals_greedy_and_the_dynamic_loop(setup, kind, shape)
     target, drafters, prompts, references = setup
     drafter = drafters[kind]
     static = _static(target, drafter, shape)
-    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), [], target.config.vocab_size)
+    dynamic = SpeculativeDecoder(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, shape), [],
+                                 target.config.vocab_size)
     accepted = []
     for p, n, ref in zip(prompts, LIMITS, references):
         got = static.generate(p, n)
@@ -125,8 +125,8 @@ def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
     target, drafters, prompts, references = setup
     shape = SHAPES[0]
     sampling = [SamplingConfig(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
-    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafters["oracle"], shape), [],
-                                 target.config.vocab_size)
+    dynamic = SpeculativeDecoder(TorchTarget(capturing(target, drafters["oracle"]).model),
+                                 TorchDrafter(drafters["oracle"], shape), [], target.config.vocab_size)
     want = [dynamic.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)]
     dec = _static(target, drafters["oracle"], shape)
     assert [dec.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)] == want
@@ -178,13 +178,8 @@ class PlantedStatic(StaticDecoder):
         for i, seq in enumerate(self.active[:B]):
             continuation = self.continuations[id(seq.request)]
             done = int(self.lengths[i]) - len(seq.request.prompt_ids) + 1      # generated, the root included
-            parents, node = tree.parents[i].tolist(), 0
-            for depth in range(self.rng.randint(0, self.shape.depth)):
-                children = [c for c, p in enumerate(parents) if p == node]
-                if not children or done + depth >= len(continuation):
-                    break
-                node = self.rng.choice(children[:2])
-                tokens[i, node - 1] = continuation[done + depth]
+            plant_path(tokens[i], tree.parents[i].tolist(), continuation[done:], self.rng.randint(0, self.shape.depth),
+                       self.rng)
         return dataclasses.replace(tree, tokens=tokens)
 
 
@@ -194,7 +189,7 @@ def test_static_loop_with_planted_paths_equals_greedy(setup, batch):
     at a time, with drafts accepted up to the tree's full depth."""
     target, drafters, prompts, references = setup
     shape = TreeShape(depth=5, top_k=3, total_tokens=12)
-    target.model.set_capture(drafters["random"].cfg.capture_for(target.config))
+    target = capturing(target, drafters["random"])
     requests = [Request(p, n) for p, n in zip(prompts, LIMITS)]
     dec = PlantedStatic(TorchTarget(target.model), TorchDrafter(drafters["random"], shape), [],
                         target.config.vocab_size, max_batch=batch, capacity=160,

@@ -22,7 +22,6 @@ from eagle_trt.build.local_triton import LocalTriton  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL, NEW_TOKENS = "eagle_trt", 16
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
