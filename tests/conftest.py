@@ -262,6 +262,28 @@ def tiny_iteration_graph(tiny_graphs, tmp_path_factory) -> Path:
                              tmp_path_factory.mktemp("tiny_iteration") / "iteration.onnx").path
 
 
+def two_call(target, drafter=None, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the two-call engine over these backends (drafter None: plain decoding);
+    engine: TwoCallEngine's cost_model / trim."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.two_call import TwoCallEngine
+    return DecodingLoop(TwoCallEngine(target, drafter, **engine), eos, vocab_size)
+
+
+def on_graph(iteration, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the iteration-graph engine over an OrtIteration (its two backends)."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.two_call import IterationEngine
+    return DecodingLoop(IterationEngine(iteration, **engine), eos, vocab_size)
+
+
+def static(model, drafter=None, shape=None, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the PyTorch engine (runtime/static.py) over these models."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.static import StaticEngine
+    return DecodingLoop(StaticEngine(model, drafter, shape, **engine), eos, vocab_size)
+
+
 def tiny_backends(tiny_graphs, backend: str):
     """A fresh (target, drafter) backend pair over tiny_graphs: "torch" or "onnxruntime"."""
     from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
@@ -516,12 +538,12 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
     continuously batched decoder with at most `batch` sequences at a time, and the one-at-a-time
     pass takes only the first SOLO_PROMPTS (the batched pass checks every prompt's tokens; a
     batch of 1 is the same code, so more solo prompts prove nothing new and cost minutes)."""
-    from eagle_trt.runtime.decoder import Request, SpeculativeDecoder
+    from eagle_trt.runtime.loop import Request
     accepted = []
     solo = prompts[:SOLO_PROMPTS] if batch else prompts
     for i, (ids, ref) in enumerate(zip(solo, references)):
         planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
-        res = SpeculativeDecoder(target, planted, eos).generate(ids, NEW_TOKENS)
+        res = two_call(target, planted, eos).generate(ids, NEW_TOKENS)
         assert res.tokens == ref, f"prompt {i}: speculative output diverges from transformers' greedy output"
         assert res.target_calls == 1 + res.drafter_calls
         accepted += res.accept_lengths
@@ -531,7 +553,7 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
             planted.expect(len(ids), ref)
         # Mixed max_new_tokens: sequences leave at different iterations and others take their slots.
         limits = [NEW_TOKENS - 9 * (i % 3) for i in range(len(prompts))]
-        results = SpeculativeDecoder(target, planted, eos).generate_batch(
+        results = two_call(target, planted, eos).generate_batch(
             [Request(ids, n) for ids, n in zip(prompts, limits)], max_batch=batch)
         for i, (res, ref, n) in enumerate(zip(results, references, limits)):
             assert res.tokens == ref[:n], f"prompt {i} in a batch of {batch}: output diverges from transformers"

@@ -35,7 +35,7 @@ def test_the_exporters_closure_is_what_it_imports():
     closure = module_closure(EXPORTER)
     assert {"eagle_trt.models.target", "eagle_trt.models.drafter", "eagle_trt.tree", "eagle_trt.verify",
             "eagle_trt.export.graphs", "eagle_trt.export.weights", "eagle_trt.config"} <= set(closure)
-    assert not {"eagle_trt.bench", "eagle_trt.runtime.decoder", "eagle_trt.build.pipeline"} & set(closure)
+    assert not {"eagle_trt.bench", "eagle_trt.runtime.loop", "eagle_trt.build.pipeline"} & set(closure)
     with pytest.raises(ValueError, match="no module"):
         module_closure("eagle_trt.no_such_module")
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_SHAPE, frozen_trim, seeded_cost_model, tiny_backends
+from conftest import TINY_SHAPE, frozen_trim, on_graph, seeded_cost_model, tiny_backends, two_call
 
 from eagle_trt.config import ConfigError
 from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder
+from eagle_trt.runtime.loop import Request
+from eagle_trt.runtime.two_call import TwoCallEngine
 from eagle_trt.runtime.onnxruntime_backend import OrtIteration
 
 SHAPE = TINY_SHAPE
@@ -156,7 +157,7 @@ def test_cost_model_choices_keep_outputs_identical(tiny_graphs, one_call, reques
     _, _, _, prompts = tiny_graphs
     target, drafter = tiny_backends(tiny_graphs, "onnxruntime")
     iteration = OrtIteration(request.getfixturevalue("tiny_iteration_graph"), target, drafter) if one_call else None
-    solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
+    solo = [two_call(target, drafter).generate(p, 30).tokens for p in prompts]
     level = [1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]     # deeper nodes add nothing
     rising = [1.0 + 0.2 * n for n in range(SHAPE.total_tokens + 1)]    # each node adds: whole trees win
     subtrees = set()
@@ -173,7 +174,7 @@ def test_cost_model_choices_keep_outputs_identical(tiny_graphs, one_call, reques
         model.time_iteration = lambda batch, n, seconds: None
         model.observe = lambda ranks, verified: None
         calls = iteration.graph_calls if one_call else 0
-        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model, iteration=iteration)
+        decoder = on_graph(iteration, cost_model=model) if one_call else two_call(target, drafter, cost_model=model)
         results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=4)
         assert [r.tokens for r in results] == solo
         if one_call:     # every drafting step in one call, whole trees and subtrees (verify_nodes)
@@ -194,13 +195,13 @@ def test_node_trim_keeps_outputs_identical(tiny_graphs, backend):
     exactly what whole trees decode, alone and in batches."""
     _, _, _, prompts = tiny_graphs
     target, drafter = tiny_backends(tiny_graphs, backend)
-    solo = [SpeculativeDecoder(target, drafter, []).generate(p, 30).tokens for p in prompts]
+    solo = [two_call(target, drafter).generate(p, 30).tokens for p in prompts]
     sizes = set()
     for batch, per_row in ((1, 1e-4), (1, 1e-5), (4, 1e-4)):
-        decoder = SpeculativeDecoder(target, drafter, [], trim=frozen_trim(per_row=per_row))
+        decoder = two_call(target, drafter, trim=frozen_trim(per_row=per_row))
         results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=batch)
         assert [r.tokens for r in results] == solo
         sizes |= set(decoder.verified)
     assert len(sizes - {SHAPE.total_tokens}) >= 2, sizes            # trimmed trees of several sizes ran
     with pytest.raises(ConfigError, match="not both"):
-        SpeculativeDecoder(target, drafter, [], cost_model=CostModel(4, 6), trim=NodeTrim())
+        TwoCallEngine(target, drafter, cost_model=CostModel(4, 6), trim=NodeTrim())

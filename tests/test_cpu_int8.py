@@ -12,10 +12,9 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import export_pipeline
 from eagle_trt.export.cpu_int8 import fold_weight_aliases
 from eagle_trt.runtime.backend import TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
-from conftest import capturing
+from conftest import capturing, on_graph, two_call
 
 SHAPE = TreeShape(depth=3, top_k=2, total_tokens=5)
 
@@ -48,8 +47,8 @@ def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target
     for seed in range(3):
         prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = generate_autoregressive(TorchTarget(captured.model), prompt, 30, [])
-        out = SpeculativeDecoder(target, ort_int8, []).generate(prompt, 30)
+        ref = two_call(TorchTarget(captured.model)).generate(prompt, 30)
+        out = two_call(target, ort_int8).generate(prompt, 30)
         assert out.tokens == ref.tokens
         accepted += out.accept_lengths
     assert max(accepted) >= 2, "no int8 draft was ever accepted: the check would be vacuous"
@@ -97,8 +96,8 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     for seed in range(3):
         prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = generate_autoregressive(TorchTarget(captured.model), prompt, 30, [])
-        out = SpeculativeDecoder(target, ort_int8, [], iteration=iteration).generate(prompt, 30)
+        ref = two_call(TorchTarget(captured.model)).generate(prompt, 30)
+        out = on_graph(iteration).generate(prompt, 30)
         assert out.tokens == ref.tokens
         accepted += out.accept_lengths
     assert max(accepted) >= 2 and iteration.graph_calls > 0

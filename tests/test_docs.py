@@ -191,7 +191,7 @@ def only_reexports(path: Path) -> bool:
 
 
 def package_modules(package: Path = PACKAGE) -> set[str]:
-    """Every .py module under the package, by its path there (`runtime/decoder.py`), as the file
+    """Every .py module under the package, by its path there (`runtime/loop.py`), as the file
     system has them now. Left out: `__init__.py` files with no code of their own (empty, or only a
     docstring, imports and `__all__`): a package's re-exports are its modules' names, not a module."""
     return {path.relative_to(package).as_posix() for path in package.rglob("*.py")
@@ -200,7 +200,7 @@ def package_modules(package: Path = PACKAGE) -> set[str]:
 
 def code_map_entries(text: str) -> list[str]:
     """The modules the `## Code map` section lists: each item starting with a module's path in
-    backticks, as in "- `runtime/decoder.py`: ..." (an `eagle_trt/` prefix is allowed)."""
+    backticks, as in "- `runtime/loop.py`: ..." (an `eagle_trt/` prefix is allowed)."""
     section = re.search(r"^## Code map[ \t]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert section, "docs/architecture.md has no '## Code map' section"
     return [p.removeprefix("eagle_trt/") for p in re.findall(r"^[-*] `([\w./]+\.py)`", section.group(1), re.M)]

@@ -10,13 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import LIMITS, TINY_SHAPE, seeded_cost_model, tiny_backends
+from conftest import LIMITS, TINY_SHAPE, on_graph, seeded_cost_model, tiny_backends, two_call
 
-from eagle_trt.config import ConfigError, SamplingConfig
+from eagle_trt.config import SamplingConfig
 from eagle_trt.export.iteration import IterationGraphError, compose_iteration
 from eagle_trt.runtime.backend import KeptRows
-from eagle_trt.runtime.cost import NodeTrim
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder
+from eagle_trt.runtime.loop import Request
 from eagle_trt.runtime.onnxruntime_backend import OrtIteration, OrtTarget
 
 SHAPE = TINY_SHAPE
@@ -46,14 +45,14 @@ def test_iteration_graph_computes_what_the_two_graph_calls_do(tiny_graphs, tiny_
     target, drafter = pairs[0]
     tree = drafter.draft(states, ids, new_lengths)
     want = target.verify([7, 9, 10], tree if nodes is None else tree.top(nodes))   # roots: the last valid ids
-    want_accept = [torch.as_tensor(t).clone() for t in target.accept_greedy(want[0], want[2], want[3])]
-    got_tree, *got = iteration.run(states, ids, new_lengths, nodes=nodes)
-    assert got[0].shape[1] == 1 + (nodes or SHAPE.total_tokens)
+    want_accept = [torch.as_tensor(t).clone() for t in target.accept_greedy(want)]
+    got_tree, got = iteration.run(states, ids, new_lengths, nodes=nodes)
+    assert got.logits.shape[1] == 1 + (nodes or SHAPE.total_tokens)
     for name in ("tokens", "parents", "mask", "depths", "scores"):
         assert torch.equal(getattr(got_tree, name), getattr(tree, name)), name
-    for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
-        assert torch.equal(a, b), name
-    got_accept = pairs[1][0].accept_greedy(got[0], got[2], got[3])
+    for name in ("logits", "captured", "ids", "mask"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    got_accept = pairs[1][0].accept_greedy(got)
     assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(got_accept, want_accept))
     rows = [[0, 1], [0], [0, 2]]
     for target, _ in pairs:
@@ -68,7 +67,7 @@ def test_iteration_graph_computes_what_the_two_graph_calls_do(tiny_graphs, tiny_
 def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(tiny_graphs, tiny_iteration_graph):
     """The iteration graph gathers the accepted rows' states and tokens (next_captured,
     next_input_ids) and the next call reads them where the graph wrote them: each step's block
-    equals the host's gather of the captured states and the decoder's pending ids, and decoding
+    equals the host's gather of the captured states and the engine's pending ids, and decoding
     with the hand-off drafts the same trees (accept lengths) and tokens as copying the states in
     on the host, at batch 1, 3 and 8 with sequences leaving."""
     _, _, _, prompts = tiny_graphs
@@ -77,23 +76,23 @@ def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(tiny_graphs, t
     assert iteration.has_handoff and iteration.handoff
     host_gathers = []
 
-    def keep_states(captured, paths, index=None):      # the decoder's call, and the host's gather beside it
-        host_gathers.append([r.copy() for r in OrtTarget.keep_states(target, captured, paths, None)])
-        return OrtTarget.keep_states(target, captured, paths, index)
+    def keep_states(out, paths, index=None):      # the engine's call, and the host's gather beside it
+        host_gathers.append([r.copy() for r in OrtTarget.keep_states(target, out, paths, None)])
+        return OrtTarget.keep_states(target, out, paths, index)
 
     target.keep_states = keep_states
-    decoder = SpeculativeDecoder(target, drafter, [], iteration=iteration)
+    decoder = on_graph(iteration)
     for p, n in zip(prompts[:3], (30, 12, 21)):
         decoder.add(Request(p, n))
     checked = 0
     while decoder.active:
-        batch = list(decoder.active)
         decoder.step()
-        kept = decoder.kept
+        kept = decoder.engine.handoff
         if isinstance(kept, KeptRows):
             checked += 1
-            for i, (s, rows, host) in enumerate(zip(batch, kept, host_gathers[-1])):
-                assert np.array_equal(rows, host) and kept.ids[i, :len(rows)].tolist() == s.pending_ids
+            for i, (rows, host) in enumerate(zip(kept, host_gathers[-1])):
+                assert np.array_equal(rows, host)
+                assert kept.ids[i, :len(rows)].tolist() == decoder.engine.pending_ids[i]
     assert checked > 5 and iteration.handoffs > 0
     del target.keep_states
     limits = LIMITS
@@ -101,7 +100,7 @@ def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(tiny_graphs, t
     for handoff in (True, False):
         iteration = OrtIteration(tiny_iteration_graph, target, drafter, handoff=handoff)
         for batch in (1, 3, 8):
-            results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+            results = on_graph(iteration).generate_batch(
                 [Request(p, n) for p, n in zip(prompts, limits)], max_batch=batch)
             runs[handoff, batch] = [(r.tokens, r.accept_lengths) for r in results]
         assert (iteration.handoffs > 0) == handoff
@@ -115,7 +114,7 @@ def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(tiny_graphs, t
         model = seeded_cost_model(per_row=0.0001, fixed=0.03, accepted=[1.0 + 0.2 * n for n in range(SHAPE.total_tokens + 1)])
         model.choose = lambda batch, backlog=0, remaining=None: next(sizes)
         iteration = OrtIteration(tiny_iteration_graph, target, drafter)
-        decoder = SpeculativeDecoder(target, drafter, [], cost_model=model, iteration=iteration if one_call else None)
+        decoder = on_graph(iteration, cost_model=model) if one_call else two_call(target, drafter, cost_model=model)
         results = decoder.generate_batch([Request(p, n) for p, n in zip(prompts, limits)], max_batch=3)
         tokens[one_call] = [r.tokens for r in results]
         if one_call:
@@ -124,11 +123,10 @@ def test_iteration_graph_hands_the_accepted_rows_to_its_next_call(tiny_graphs, t
     assert tokens[True] == tokens[False]
 
 
-def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(tiny_graphs, tiny_iteration_graph, tmp_path):
+def test_iteration_graph_keeps_seeded_sampling_and_composing_refuses_what_it_cannot_do(tiny_graphs, tiny_iteration_graph, tmp_path):
     """Sampled sequences (own settings and seeds) inside a batch: the same tokens in one call per
-    iteration as in two. A decoder refuses an iteration graph with a node trim (it picks the
-    nodes between the two calls) or over other backends; composing refuses a drafter made for another
-    target; a two-graph file is not an iteration graph."""
+    iteration as in two. Composing refuses a drafter made for another target; a two-graph file is
+    not an iteration graph."""
     _, _, graphs, prompts = tiny_graphs
     target, drafter = tiny_backends(tiny_graphs, "onnxruntime")
     iteration = OrtIteration(tiny_iteration_graph, target, drafter)
@@ -136,14 +134,10 @@ def test_iteration_graph_keeps_seeded_sampling_and_refuses_what_it_cannot_do(tin
                SamplingConfig(1.2, top_k=5, seed=3)]
     outputs = []
     for it in (None, iteration):
-        decoder = SpeculativeDecoder(target, drafter, [], iteration=it)
+        decoder = on_graph(it) if it is not None else two_call(target, drafter)
         outputs.append([r.tokens for r in decoder.generate_batch([Request(p, 24, c) for p, c in zip(prompts, configs)],
                                                                   max_batch=4)])
     assert outputs[0] == outputs[1] and iteration.graph_calls > 0
-    with pytest.raises(ConfigError, match="takes no iteration graph"):
-        SpeculativeDecoder(target, drafter, [], trim=NodeTrim(), iteration=iteration)
-    with pytest.raises(ConfigError, match="must be the decoder's"):
-        SpeculativeDecoder(*tiny_backends(tiny_graphs, "onnxruntime"), [], iteration=iteration)
     with pytest.raises(ValueError, match="not an iteration graph"):
         OrtIteration(graphs["target"], target, drafter)
     model = onnx.load(str(graphs["drafter_tree"]))

@@ -9,11 +9,11 @@ import itertools
 
 import numpy as np
 import torch
-from conftest import TINY_SHAPE, tiny_backends
+from conftest import TINY_SHAPE, on_graph, tiny_backends, two_call
 
 from eagle_trt.runtime import kv_cache
 from eagle_trt.runtime.backend import TargetBackend, TorchTarget
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.loop import Request
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 from eagle_trt.runtime.ort_binding import Binding
 
@@ -30,7 +30,8 @@ def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(tiny
     committed by torch as on a GPU (kv_device cuda keeps them there, read where they are)."""
     target_model, _, _, prompts = tiny_graphs
     prompts = prompts[:4]
-    refs = [generate_autoregressive(TorchTarget(target_model.model), p, 20, []).tokens for p in prompts]
+    plain = two_call(TorchTarget(target_model.model))
+    refs = [plain.generate(p, 20).tokens for p in prompts]
     bind = Binding._bind
 
     def bind_a_copy(self, name, dtype, shape, address, output, where=("cpu", 0)):
@@ -46,9 +47,9 @@ def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(tiny
     for rebind, one_call in itertools.product((False, True), (False, True)):
         monkeypatch.setattr(Binding, "always_rebind", rebind)
         target, drafter = tiny_backends(tiny_graphs, "onnxruntime")
-        iteration = OrtIteration(tiny_iteration_graph, target, drafter) if one_call else None
+        decoder = on_graph(OrtIteration(tiny_iteration_graph, target, drafter)) if one_call else two_call(target, drafter)
         try:
-            results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+            results = decoder.generate_batch(
                 [Request(p, 20) for p in prompts], max_batch=4)
             tokens[rebind, one_call] = [r.tokens for r in results]
         except (IndexError, ValueError, RuntimeError) as exc:     # stale lengths can break the bookkeeping
@@ -60,8 +61,8 @@ def test_inputs_are_bound_again_before_each_call_where_the_bind_copies_them(tiny
     monkeypatch.setattr(kv_cache, "NUMPY_FLOATS", ())
     for one_call in (False, True):
         target, drafter = tiny_backends(tiny_graphs, "onnxruntime")
-        iteration = OrtIteration(tiny_iteration_graph, target, drafter) if one_call else None
-        results = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate_batch(
+        decoder = on_graph(OrtIteration(tiny_iteration_graph, target, drafter)) if one_call else two_call(target, drafter)
+        results = decoder.generate_batch(
             [Request(p, 20) for p in prompts], max_batch=4)
         assert target.cache.kv_np is None and not isinstance(target.bindings.entries[next(iter(
             target.bindings.entries))].staged, np.ndarray)
@@ -100,11 +101,12 @@ def test_ort_verify_writes_the_inputs_the_general_path_builds(tiny_graphs):
         for tree in (trees, trees.top(3), None):
             got = fast.verify(roots, tree)
             want = TargetBackend.verify(general, roots, tree)
-            for name, a, b in zip(("logits", "captured", "ids", "mask"), got, want):
+            for name in ("logits", "captured", "ids", "mask"):
+                a, b = getattr(got, name), getattr(want, name)
                 assert torch.equal(a, b.to(a.dtype)), (rnd, name)
             # the accepted rows' states: numpy slices / fancy indexing against the tensor gather
             paths = [[0, 2], [0, 1], [0]] if tree is not None and tree.size > 2 else [[0]] * 3
-            for kept, gathered in zip(fast.keep_states(got[1], paths), TargetBackend.keep_states(general, want[1], paths)):
+            for kept, gathered in zip(fast.keep_states(got, paths), TargetBackend.keep_states(general, want, paths)):
                 assert torch.equal(torch.from_numpy(kept), gathered)
             rows = [[0], [0, 1], [0]] if tree is not None else [[0]] * 3
             fast.commit(rows)

@@ -13,14 +13,14 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import check_graph, export_drafter_step, export_drafter_tree, export_target
 from eagle_trt.models.target import causal_mask
 from eagle_trt.export.iteration import compose_iteration
-from eagle_trt.quant import (Fp8OrtIteration, QuantConfig, QuantError, calibrate_drafter, calibrate_target, fp8_backends,
-                             layer_parity, linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
+from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, layer_parity, linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
                              run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CostModel
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.loop import Request
+from eagle_trt.runtime.ort_engines import open_backends
 
-from conftest import PlantedDrafter, capturing, oracle_drafter, rel_l2
+from conftest import PlantedDrafter, capturing, on_graph, oracle_drafter, rel_l2, two_call
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 FORMATS = ("fp8", "nvfp4")
@@ -245,50 +245,51 @@ def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, oracle_target,
 def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, oracle_target, tmp_path):
     """FP8 target + FP8 drafter graphs on ONNX Runtime give exactly the tokens of greedy decoding
     with the FP8 target graph alone, and of the fake-quant PyTorch models; the two composed into
-    an iteration graph (run with the FP8 session settings: Fp8OrtIteration, as the Triton model
+    an iteration graph (run with the FP8 session settings by open_backends, as the Triton model
     serves FP8 builds) give the tokens and accept lengths of the two-call loop, every drafting
     step in one call, whole trees and the cost model's subtrees."""
     cfg = QuantConfig("fp8")
     ref_target, _ = quantized_copy(oracle_target.model, cfg, setup["amax"]["target"])
     ref_drafter, _ = quantized_copy(setup["models"]["drafter"], cfg, setup["amax"]["drafter"])
-    target, drafter = fp8_backends(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"], SHAPE,
-                                   oracle_target.config.max_position_embeddings)
     composed = compose_iteration(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"],
                                  tmp_path / "iteration.fp8.onnx").path      # the TensorRT op check included
-    iteration = Fp8OrtIteration(composed, target, drafter)
+    graphs = {"target": setup["graphs"]["target", "fp8"], "drafter_tree": setup["graphs"]["drafter", "fp8"],
+              "iteration": composed}
+    target, drafter, iteration = open_backends(graphs, SHAPE, oracle_target.config.max_position_embeddings, threads=1,
+                                               precision={"target": "fp8", "drafter_tree": "fp8"})
     accepted = []
     for seed in range(3):
         prompt = _ids(8 + 9 * seed, seed=20 + seed)
-        ar = generate_autoregressive(target, prompt, 32, [])
-        torch_ar = generate_autoregressive(TorchTarget(ref_target), prompt, 32, [])
+        ar = two_call(target).generate(prompt, 32)
+        torch_ar = two_call(TorchTarget(ref_target)).generate(prompt, 32)
         assert ar.tokens == torch_ar.tokens
-        spec = SpeculativeDecoder(target, PlantedDrafter(drafter, len(prompt), ar.tokens, seed=seed), []).generate(prompt, 32)
+        spec = two_call(target, PlantedDrafter(drafter, len(prompt), ar.tokens, seed=seed)).generate(prompt, 32)
         assert spec.tokens == ar.tokens
         accepted += spec.accept_lengths
-        plain = SpeculativeDecoder(target, drafter, []).generate(prompt, 32)
-        torch_spec = SpeculativeDecoder(TorchTarget(ref_target), TorchDrafter(ref_drafter, SHAPE), []).generate(prompt, 32)
+        plain = two_call(target, drafter).generate(prompt, 32)
+        torch_spec = two_call(TorchTarget(ref_target), TorchDrafter(ref_drafter, SHAPE)).generate(prompt, 32)
         assert plain.tokens == ar.tokens == torch_spec.tokens
         assert plain.accept_lengths == torch_spec.accept_lengths
         calls = iteration.graph_calls
-        one_call = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate(prompt, 32)
+        one_call = on_graph(iteration).generate(prompt, 32)
         assert (one_call.tokens, one_call.accept_lengths) == (plain.tokens, plain.accept_lengths)
         assert iteration.graph_calls - calls == one_call.drafter_calls > 0
     assert max(accepted) >= 3, "no draft was accepted deeply: the check would be vacuous"
     # continuously batched (batch 3 and 8, prompts of mixed lengths, one stopping at an EOS that
     # greedy decoding emits): each sequence still gets greedy FP8 decoding's tokens
     prompts = [_ids(5 + 4 * i, seed=40 + i) for i in range(8)]
-    solo = [generate_autoregressive(target, p, 24, []).tokens for p in prompts]
+    solo = [two_call(target).generate(p, 24).tokens for p in prompts]
     eos = {solo[2][9]}
-    solo = [generate_autoregressive(target, p, 24, eos).tokens for p in prompts]
+    solo = [two_call(target, None, eos).generate(p, 24).tokens for p in prompts]
     assert any(len(t) < 24 for t in solo), "no sequence stopped at the EOS: the check would be vacuous"
     for batch in (3, 8):
-        results = SpeculativeDecoder(target, drafter, eos).generate_batch([Request(p, 24) for p in prompts], max_batch=batch)
+        results = two_call(target, drafter, eos).generate_batch([Request(p, 24) for p in prompts], max_batch=batch)
         assert [r.tokens for r in results] == solo, f"FP8 graphs at batch {batch} differ from greedy"
     # the iteration graph under the cost model: warm-up trees in two calls, then every drafting
     # step in one, subtrees too (a seeded model that finds 2 nodes the best, whatever it measures)
     model = CostModel(SHAPE.total_tokens, SHAPE.top_k * (SHAPE.depth - 1), warmup=2)
     model.choose = lambda batch, backlog=0, remaining=None: SHAPE.total_tokens if model.warming_up else 2
-    decoder = SpeculativeDecoder(target, drafter, eos, cost_model=model, iteration=iteration)
+    decoder = on_graph(iteration, eos, cost_model=model)
     calls = iteration.graph_calls
     results = decoder.generate_batch([Request(p, 24) for p in prompts], max_batch=3)
     assert [r.tokens for r in results] == solo, "FP8 iteration graph with subtrees differs from greedy"

@@ -18,18 +18,23 @@ from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.data import mtbench_prompts
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.models.target import LlamaTarget, causal_mask
-from eagle_trt.quant import (Fp8OrtDrafter, QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts,
-                             fp8_backends, layer_parity, linear_paths, load_calibration, quantize_onnx, quantized_copy,
-                             run_graph, save_calibration)
+from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, layer_parity,
+                             linear_paths, load_calibration, quantize_onnx, quantized_copy, run_graph, save_calibration)
 from eagle_trt.runtime.backend import TorchDrafter
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.ort_engines import OrtBackends, open_backends
 from eagle_trt.train.data import in_split
 
-from conftest import PlantedDrafter, capturing, rel_l2
+from conftest import PlantedDrafter, capturing, rel_l2, two_call
 
 pytestmark = pytest.mark.slow
 TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
 SPEC_TOKENS = 16
+
+
+def _fp8(graphs: dict, smollm2) -> OrtBackends:
+    """ONNX Runtime backends over FP8 graphs, with the FP8 session settings (as a build serves them)."""
+    return open_backends(graphs, TREE, smollm2.config.max_position_embeddings, threads=1,
+                         precision={g: "fp8" for g in ("target", "drafter_tree")})
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +135,7 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
     """Real target features of MT-bench prompts through the FP8 drafter-tree graph on ONNX Runtime
     and through the fake-quant drafter: same tree, and every MatMul matches."""
     reference, _ = quantized_copy(smol["drafter"], QuantConfig("fp8"), smol["amax"]["drafter"])
-    ort_drafter = Fp8OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE)
+    ort_drafter = _fp8({"drafter_tree": smol["graphs"]["drafter", "fp8"]}, smollm2).drafter
     same = 0
     for ids in mtbench_ids[:4]:
         T = len(ids)
@@ -182,14 +187,14 @@ def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at
     batching too). So every divergence must be such a near-tie, and at most 2 of 20 prompts
     may diverge. The (untrained) drafter's trees carry a planted path of greedy's continuation
     so that drafts are accepted deep and KV compaction runs."""
-    target, drafter = fp8_backends(smol["graphs"]["target", "fp8"], smol["graphs"]["drafter", "fp8"], TREE,
-                                   smollm2.config.max_position_embeddings)
+    target, drafter, _ = _fp8({"target": smol["graphs"]["target", "fp8"],
+                               "drafter_tree": smol["graphs"]["drafter", "fp8"]}, smollm2)
     assert target.min_rows == 2
     eos = set(smollm2.config.eos_token_ids)
     accepted, diverged = [], []
     for i, ids in enumerate(mtbench_ids):
-        greedy = generate_autoregressive(target, ids, SPEC_TOKENS, eos).tokens
-        spec = SpeculativeDecoder(target, PlantedDrafter(drafter, len(ids), greedy, seed=i), eos).generate(ids, SPEC_TOKENS)
+        greedy = two_call(target, None, eos).generate(ids, SPEC_TOKENS).tokens
+        spec = two_call(target, PlantedDrafter(drafter, len(ids), greedy, seed=i), eos).generate(ids, SPEC_TOKENS)
         assert spec.target_calls == 1 + spec.drafter_calls
         accepted += spec.accept_lengths
         if spec.tokens != greedy:
@@ -197,8 +202,8 @@ def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at
             seq = ids + greedy[:j]
             target.reset()
             target.add_sequence(len(seq))
-            logits, _ = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], causal_mask(len(seq), 0),
-                                       last_only=True)
+            logits = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], causal_mask(len(seq), 0),
+                                    last_only=True).logits
             margin = float(logits[0, -1, greedy[j]] - logits[0, -1, spec.tokens[j]])
             diverged.append((i, j, round(margin, 4)))
     assert len(mtbench_ids) == 20
@@ -212,7 +217,7 @@ def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, 
     """The premise of min_rows: the same token on the same past gives bit-identical logits in a
     1-row call padded to 2 rows, a 2-row call and a 17-row call. (An unpadded 1-row call may round
     differently on some CPUs: printed, not asserted, since on others it does not.)"""
-    target, _ = fp8_backends(smol["graphs"]["target", "fp8"], None, TREE, smollm2.config.max_position_embeddings)
+    target = _fp8({"target": smol["graphs"]["target", "fp8"]}, smollm2).target
     ids = mtbench_ids[0]
     n = len(ids)
 
@@ -225,7 +230,7 @@ def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, 
         toks = torch.tensor([[ids[-1]] + list(range(100, 100 + T - 1))])
         mask = torch.eye(T, dtype=torch.bool)
         mask[:, 0] = True
-        logits, _ = target.forward(toks, torch.full((1, T), n), mask[None])
+        logits = target.forward(toks, torch.full((1, T), n), mask[None]).logits
         return logits[0, 0]
     one, padded, two, many = row0(1, 1), row0(1, 2), row0(2, 1), row0(17, 1)
     assert torch.equal(padded, two) and torch.equal(two, many)

@@ -1,5 +1,5 @@
 """Drafter training: feature cache, draft vocabulary, the training-time test (TTT) against the
-runtime's own drafting, resumable training, the saved checkpoint in the runtime decoder, and
+runtime's own drafting, resumable training, the saved checkpoint in the runtime's decoding loop, and
 the MT-bench guard. Fast tests use a tiny random target and synthetic token sequences."""
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import capturing, share, write_tiny_hf_target
+from conftest import capturing, share, static, write_tiny_hf_target
 
 from eagle_trt.checkpoints import load_drafter, load_target, save_drafter
 from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.train import features as features_mod
 from eagle_trt.train.data import DataConfig, DataError, MTBenchGuard, Sample, iter_json_array, load_samples, to_messages
 from eagle_trt.train.features import FeatureConfig, FeatureError, FeatureStore, extract_features
@@ -315,7 +314,7 @@ def test_length_groups_regroup_the_same_sequences_with_less_padding():
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
-def test_saved_drafter_is_lossless_in_runtime_decoder(target, trained, samples, variant, tmp_path):
+def test_saved_drafter_is_lossless_in_the_decoding_loop(target, trained, samples, variant, tmp_path):
     drafter, _, _ = trained[variant]
     import copy
     folder = save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), tmp_path / "drafter")
@@ -329,14 +328,14 @@ def test_saved_drafter_is_lossless_in_runtime_decoder(target, trained, samples, 
     assert loaded.cfg.variant == variant and loaded.cfg.capture == drafter.cfg.capture
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
     target = capturing(target, loaded)
-    dec = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(loaded, TreeShape(depth=3, top_k=2, total_tokens=6)),
-                             target.config.eos_token_ids)
+    eos = target.config.eos_token_ids
+    dec = static(target.model, loaded, TreeShape(depth=3, top_k=2, total_tokens=6), eos, max_batch=1)
+    plain = static(target.model, eos=eos, max_batch=1)
     accepted = []
     for s in samples[:4]:
         prompt = s.ids[:8]
         res = dec.generate(prompt, 24)
-        ref = generate_autoregressive(TorchTarget(target.model), prompt, 24, target.config.eos_token_ids)
-        assert res.tokens == ref.tokens
+        assert res.tokens == plain.generate(prompt, 24).tokens
         accepted += res.accept_lengths
     assert max(accepted) >= 2   # the trained drafter's drafts were really accepted somewhere
 

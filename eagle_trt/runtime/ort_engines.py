@@ -26,7 +26,7 @@ def _session(precision: str | None) -> dict:
 class OrtBackends(NamedTuple):
     """A target backend, and for speculative decoding a drafter backend and the iteration graph
     over the two (each None where not opened)."""
-    target: OrtTarget
+    target: OrtTarget | None
     drafter: OrtDrafter | None = None
     iteration: OrtIteration | None = None
 
@@ -47,12 +47,13 @@ def open_backends(graphs: dict[str, str | Path], shape: TreeShape | None, max_co
     caches on `kv_device` (onnxruntime_backend.kv_device_for). precision: each graph's, as the
     build's manifest gives it ('fp8' graphs get ONNX Runtime's FP8 settings, quant/run.py, and
     an FP8 target pads its calls to 2 rows, see OrtTarget). spin: how the sessions' threads
-    wait (make_session). target: a target backend already open on the same graph, shared."""
+    wait (make_session). target: a target backend already open on the same graph, shared (or
+    none: graphs without 'target' open only the drafter)."""
     precision = precision or {}
     if "drafter_tree" in graphs and shape is None:
         raise ConfigError("a drafter graph needs its tree shape")
     common = dict(providers=providers, kv_device=kv_device, spin=spin)
-    if target is None:
+    if target is None and "target" in graphs:
         fp8 = precision.get("target") == FP8
         target = OrtTarget(graphs["target"], max_context, threads, min_rows=2 if fp8 else 1, **common,
                            **_session(precision.get("target")))
