@@ -98,8 +98,10 @@ def _shared_fixtures_unchanged(request):
     torch.set_num_threads(threads)        # a CLI run in-process sets its --threads
     changed = []
     for name, (value, state, before, restore) in list(_SHARED.items()):
-        if state(value) != before:
-            changed.append(name)
+        now = state(value)
+        if now != before:
+            what = sorted(set(map(str, now)) ^ set(map(str, before))) if isinstance(now, list) else []
+            changed.append(name + (f" ({'; '.join(what[:4])})" if what else ""))
             if restore is not None:
                 restore(value, before)
             _SHARED[name] = (value, state, state(value), restore)     # only this test fails

@@ -141,10 +141,6 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0
                for m in bench.MODES + bench.TORCH_MODES)
     assert row["torch_identical_outputs"] == 2 and report["torch_device"] == "cpu float32"
-    synced = row["torch_synced_split"]   # its own run, each model call timed between synchronizations
-    assert synced["iterations"] > 0 and 0 < synced["target_graph"] + synced["drafter_graph"] < synced["seconds"]
-    assert row["torch_host_ms_per_iteration"] == pytest.approx(
-        1e3 * (synced["seconds"] - synced["target_graph"] - synced["drafter_graph"]) / synced["iterations"])
     assert 0 < row["time_split"]["host"] < 1 and len(row["accepted_at_least"]) == 2
     assert sum(row["time_split"].values()) == pytest.approx(1.0)
     sweep = report["tree_sweep"]
@@ -171,8 +167,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     for name in ("speedup.png", "acceptance_per_depth.png", "concurrency.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out and "PyTorch backend" in out
-    assert "host ms/it" in out
+    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out and "PyTorch engine" in out
     assert "concurrent streams" in out and "autoregressive-batched" in out
     assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
     assert "expected depth,top_k,total_tokens" in capsys.readouterr().err

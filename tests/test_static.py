@@ -1,13 +1,13 @@
-"""The fixed-shape, device-resident iteration (runtime/static.py), on the CPU where it runs
-without capture: token for token what the target's own greedy decoding gives, alone and
-continuously batched, speculative and plain; the same trees and acceptance as the dynamic loop
-(the two-call engine over the PyTorch reference backends) with the same drafter; and torch.compile(fullgraph=True) captures the
-whole iteration as one graph that no later iteration recompiles, which is what a CUDA graph's
-capture of it on a GPU needs (no host sync, no shape that depends on values)."""
+"""The PyTorch engine's fixed-shape, device-resident iteration (runtime/static.py), on the CPU
+where it runs without capture: token for token what the target's own greedy decoding gives,
+alone and continuously batched, speculative and plain; the same trees and acceptance as the
+two-call engine over the PyTorch reference backends with the same drafter; and
+torch.compile(fullgraph=True) captures the whole iteration as one graph that no later iteration
+recompiles, which is what a CUDA graph's capture of it on a GPU needs (no host sync, no shape
+that depends on values)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import (LIMITS, PROMPT_LENGTHS, capturing, oracle_drafter, plant_path, random_prompts, share, two_call,
                       write_tiny_hf_target)
@@ -42,7 +42,7 @@ def _static(target, drafter, shape, eos=(), engine=StaticEngine, **kw) -> Decodi
                                capacity=kw.pop("capacity", 160), **kw), eos, target.config.vocab_size)
 
 
-def _dynamic(target, drafter, shape) -> DecodingLoop:
+def _two_call(target, drafter, shape) -> DecodingLoop:
     """The two-call engine over the PyTorch reference backends: the same trees, verified the same way."""
     return two_call(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, shape), [],
                     target.config.vocab_size)
@@ -50,18 +50,18 @@ def _dynamic(target, drafter, shape) -> DecodingLoop:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s.depth}k{s.top_k}N{s.total_tokens}")
 @pytest.mark.parametrize("kind", ["oracle", "random"])
-def test_static_iteration_equals_greedy_and_the_dynamic_loop(setup, kind, shape):
-    """Each prompt alone: the target's greedy tokens, and the dynamic loop's accept lengths (the
+def test_static_iteration_equals_greedy_and_the_two_call_engine(setup, kind, shape):
+    """Each prompt alone: the target's greedy tokens, and the two-call engine's accept lengths (the
     same trees verified the same way); the oracle drafter's drafts are accepted several deep."""
     target, drafters, prompts, references = setup
     drafter = drafters[kind]
     static = _static(target, drafter, shape)
-    dynamic = _dynamic(target, drafter, shape)
+    reference = _two_call(target, drafter, shape)
     accepted = []
     for p, n, ref in zip(prompts, LIMITS, references):
         got = static.generate(p, n)
         assert got.tokens == ref
-        assert got.accept_lengths == dynamic.generate(p, n).accept_lengths
+        assert got.accept_lengths == reference.generate(p, n).accept_lengths
         assert got.target_calls == 1 + got.drafter_calls == 1 + len(got.accept_lengths)
         accepted += got.accept_lengths
     if kind == "oracle":
@@ -138,13 +138,13 @@ def test_static_engine_refuses_what_it_cannot_hold_and_grows_for_what_it_can(set
 
 def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
     """Sampled sequences accept on the host with their own generators: a seeded request draws
-    the same tokens as in the dynamic loop (same trees, same draws), alone or batched with greedy
+    the same tokens as on the two-call engine (same trees, same draws), alone or batched with greedy
     sequences, and the greedy ones still equal greedy decoding."""
     target, drafters, prompts, references = setup
     shape = SHAPES[0]
     sampling = [SamplingConfig(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
-    dynamic = _dynamic(target, drafters["oracle"], shape)
-    want = [dynamic.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)]
+    reference = _two_call(target, drafters["oracle"], shape)
+    want = [reference.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)]
     dec = _static(target, drafters["oracle"], shape)
     assert [dec.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)] == want
     requests = [Request(prompts[i], 30, sampling[i]) for i in range(4)] + [Request(prompts[5], 40)]

@@ -14,7 +14,6 @@ from conftest import capturing, share, static, write_tiny_hf_target
 from eagle_trt.checkpoints import load_drafter, load_target, save_drafter
 from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.models.target import causal_mask
-from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.train import features as features_mod
 from eagle_trt.train.data import DataConfig, DataError, MTBenchGuard, Sample, iter_json_array, load_samples, to_messages
 from eagle_trt.train.features import FeatureConfig, FeatureError, FeatureStore, extract_features

@@ -21,7 +21,6 @@ loops through here, so their ratios compare the same things under the same setti
 from __future__ import annotations
 
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,35 +53,6 @@ def graph_seconds(*backends) -> float | None:
     if not all(hasattr(b, "graph_seconds") for b in backends if b is not None):
         return None
     return sum(b.graph_seconds for b in backends if b is not None)
-
-
-@contextmanager
-def synced_graph_seconds(*backends):
-    """PyTorch backends count `graph_seconds` as ONNX Runtime's do, while inside: each model call
-    (`_run`, its input copies included) is timed with the device synchronized before and after,
-    so CUDA's asynchrony cannot hide host work under a kernel; wall time minus graph seconds is
-    then the host work between calls (an upper bound: overlap is taken away). The synchronizing
-    costs time, so tokens/s come from runs outside this. Read the counts inside the block."""
-    def timed(backend, run):
-        device = getattr(backend, "device", None) or backend.model.fc.weight.device   # the drafter has no .device
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-        def call(*args, **kwargs):
-            sync()
-            start = time.perf_counter()
-            out = run(*args, **kwargs)
-            sync()
-            backend.graph_seconds += time.perf_counter() - start
-            return out
-        return call
-    for b in backends:
-        b.graph_seconds = 0.0
-        b._run = timed(b, b._run)
-    try:
-        yield
-    finally:
-        for b in backends:           # the class's method again, and no count that stopped counting
-            del b._run, b.graph_seconds
 
 
 @contextmanager
@@ -174,4 +144,4 @@ class OrtDecoding:
         return Compared(spec, best["autoregressive"][0], split)
 
 
-__all__ = ["HOST_THREADS", "Compared", "OrtDecoding", "decoding_threads", "graph_seconds", "ort_threads", "synced_graph_seconds"]
+__all__ = ["HOST_THREADS", "Compared", "OrtDecoding", "decoding_threads", "graph_seconds", "ort_threads"]

@@ -101,7 +101,7 @@ class TwoCallEngine(Engine):
         self.pending_states: list[list] = []
         self.pending_ids: list[list[int]] = []
         self.handoff: KeptRows | None = None   # the last commit's states, where a graph gathered them as one block
-        self._last: tuple | None = None        # the iteration iterate() verified, for commit
+        self._last: _Iteration | None = None   # what iterate() verified, for commit
 
     @property
     def backends(self) -> tuple:
