@@ -18,7 +18,7 @@ from eagle_trt.api import load_pipeline, ort_cuda_available
 from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
-from eagle_trt.export.graphs import kv_heads_and_dim
+from eagle_trt.graph_names import kv_heads_and_dim
 from eagle_trt.export.iteration import compose_iteration
 from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case

@@ -23,8 +23,8 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
-from ..export.iteration import HANDOFF, PREFIX, VERIFY_NODES
+from ..graph_names import (ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, DRAFTER_KV_NAMES, HANDOFF, PREFIX, VERIFY_NODES,
+                           kv_heads_and_dim, target_kv_names)
 from .backend import DrafterBackend, KeptRows, TargetBackend, logits_rows
 from .kv_cache import CHUNK
 from .ort_binding import Bindings, Bound
@@ -130,13 +130,6 @@ def kv_device_for(session: ort.InferenceSession, kv_device: str | torch.device |
         raise ValueError(f"kv_device {device}: this PyTorch ({torch.__version__}) has no CUDA device to hold "
                          f"the caches; use kv_device cpu (the caches then cross to the GPU at each call)")
     return device
-
-
-def target_kv_names(num_layers: int) -> list[tuple[str, str, str, str]]:
-    return [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}") for i in range(num_layers)]
-
-
-DRAFTER_KV_NAMES = ("past_key", "past_value", "new_key", "new_value")
 
 
 @functools.lru_cache(maxsize=64)
