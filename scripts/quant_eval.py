@@ -86,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from eagle_trt.api import prepare_models, real_prompt_ids
     from eagle_trt.config import TreeShape
     from eagle_trt.export import export_drafter_tree, export_target
-    from eagle_trt.quant import (Fp8OrtDrafter, Fp8OrtTarget, QuantConfig, calibrate_drafter, calibrate_target,
-                                 calibration_prompts, linear_paths, quantize_onnx, quantized_copy, save_calibration)
+    from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, linear_paths,
+                                 quantize_onnx, quantized_copy, save_calibration)
     from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
     from eagle_trt.runtime.decoder import SpeculativeDecoder
     from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    from eagle_trt.runtime.sessions import FP8_SESSION
     from eagle_trt.train.data import DataConfig, load_samples
 
     log = sys.stderr
@@ -142,14 +143,14 @@ def run(args: argparse.Namespace) -> int:
         if fmt == "fp32":
             return OrtTarget(graphs["target"], max_ctx, args.threads)
         if fmt == "fp8":
-            return Fp8OrtTarget(graphs["target", "fp8"], max_ctx, args.threads)
+            return OrtTarget(graphs["target", "fp8"], max_ctx, args.threads, min_rows=2, **FP8_SESSION)
         return TorchTarget(quantized_copy(target_model, QuantConfig(fmt, skip=skips["target"]), amax["target"])[0])
 
     def drafter_backend(fmt):
         if fmt == "fp32":
             return OrtDrafter(graphs["drafter"], shape, args.threads)
         if fmt == "fp8":
-            return Fp8OrtDrafter(graphs["drafter", "fp8"], shape, args.threads)
+            return OrtDrafter(graphs["drafter", "fp8"], shape, args.threads, **FP8_SESSION)
         return TorchDrafter(quantized_copy(drafter_model, QuantConfig(fmt, skip=skips["drafter"]), amax["drafter"])[0],
                             shape)
 

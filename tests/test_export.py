@@ -24,7 +24,8 @@ from eagle_trt.export.opcheck import find_problems
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTarget, make_session
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from eagle_trt.runtime.sessions import SPIN_MODES, make_session
 from eagle_trt.runtime.ort_binding import Binding, bind_past
 from eagle_trt.tree import DraftTree
 

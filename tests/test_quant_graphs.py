@@ -13,12 +13,13 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import check_graph, export_drafter_step, export_drafter_tree, export_target
 from eagle_trt.models.target import causal_mask
 from eagle_trt.export.iteration import compose_iteration
-from eagle_trt.quant import (Fp8OrtIteration, QuantConfig, QuantError, calibrate_drafter, calibrate_target, fp8_backends,
-                             layer_parity, linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
-                             run_graph)
+from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, layer_parity, linear_paths,
+                             module_for_node, quantize_model, quantize_onnx, quantized_copy, run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.runtime.sessions import FP8_SESSION
 
 from conftest import PlantedDrafter, oracle_drafter
 
@@ -246,17 +247,18 @@ def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, f
 def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, tiny_target, tmp_path):
     """FP8 target + FP8 drafter graphs on ONNX Runtime give exactly the tokens of greedy decoding
     with the FP8 target graph alone, and of the fake-quant PyTorch models; the two composed into
-    an iteration graph (run with the FP8 session settings: Fp8OrtIteration, as the Triton model
+    an iteration graph (run with the FP8 session settings, FP8_SESSION, as the Triton model
     serves FP8 builds) give the tokens and accept lengths of the two-call loop, every drafting
     step in one call, whole trees and the cost model's subtrees."""
     cfg = QuantConfig("fp8")
     ref_target, _ = quantized_copy(tiny_target.model, cfg, setup["amax"]["target"])
     ref_drafter, _ = quantized_copy(setup["models"]["drafter"], cfg, setup["amax"]["drafter"])
-    target, drafter = fp8_backends(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"], SHAPE,
-                                   tiny_target.config.max_position_embeddings)
+    target = OrtTarget(setup["graphs"]["target", "fp8"], tiny_target.config.max_position_embeddings, 1, min_rows=2,
+                       **FP8_SESSION)
+    drafter = OrtDrafter(setup["graphs"]["drafter", "fp8"], SHAPE, 1, **FP8_SESSION)
     composed = compose_iteration(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"],
                                  tmp_path / "iteration.fp8.onnx").path      # the TensorRT op check included
-    iteration = Fp8OrtIteration(composed, target, drafter)
+    iteration = OrtIteration(composed, target, drafter, 1, **FP8_SESSION)
     accepted = []
     for seed in range(3):
         prompt = _ids(8 + 9 * seed, seed=20 + seed)

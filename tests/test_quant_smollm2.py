@@ -18,11 +18,12 @@ from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.data import mtbench_prompts
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.models.target import LlamaTarget, causal_mask
-from eagle_trt.quant import (Fp8OrtDrafter, QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts,
-                             fp8_backends, layer_parity, linear_paths, load_calibration, quantize_onnx, quantized_copy,
+from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, layer_parity, linear_paths, load_calibration, quantize_onnx, quantized_copy,
                              run_graph, save_calibration)
 from eagle_trt.runtime.backend import TorchDrafter
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from eagle_trt.runtime.sessions import FP8_SESSION
 from eagle_trt.train.data import in_split
 
 from conftest import PlantedDrafter
@@ -57,6 +58,12 @@ def smol(smollm2, smollm2_tokenizer, smollm2_onnx_dir, tmp_path_factory):
         graphs[name, "fp8"] = folder / f"{name}.fp8.onnx"
     yield {"drafter": drafter, "prompts": prompts, "amax": amax, "graphs": graphs, "folder": folder}
     smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
+
+
+def fp8_target(smol, smollm2) -> OrtTarget:
+    """The FP8 SmolLM2 graph on ONNX Runtime with the FP8 settings, padded to 2 rows (OrtTarget)."""
+    return OrtTarget(smol["graphs"]["target", "fp8"], smollm2.config.max_position_embeddings, 1, min_rows=2,
+                     **FP8_SESSION)
 
 
 def target_feeds(cfg, ids: list[int]) -> dict[str, np.ndarray]:
@@ -138,7 +145,7 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
     """Real target features of MT-bench prompts through the FP8 drafter-tree graph on ONNX Runtime
     and through the fake-quant drafter: same tree, and every MatMul matches."""
     reference, _ = quantized_copy(smol["drafter"], QuantConfig("fp8"), smol["amax"]["drafter"])
-    ort_drafter = Fp8OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE)
+    ort_drafter = OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE, 1, **FP8_SESSION)
     same = 0
     for ids in mtbench_ids[:4]:
         T = len(ids)
@@ -189,8 +196,8 @@ def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at
     batching too). So every divergence must be such a near-tie, and at most 2 of 20 prompts
     may diverge. The (untrained) drafter's trees carry a planted path of greedy's continuation
     so that drafts are accepted deep and KV compaction runs."""
-    target, drafter = fp8_backends(smol["graphs"]["target", "fp8"], smol["graphs"]["drafter", "fp8"], TREE,
-                                   smollm2.config.max_position_embeddings)
+    target = fp8_target(smol, smollm2)
+    drafter = OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE, 1, **FP8_SESSION)
     assert target.min_rows == 2
     eos = set(smollm2.config.eos_token_ids)
     accepted, diverged = [], []
@@ -219,7 +226,7 @@ def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, 
     """The premise of min_rows: the same token on the same past gives bit-identical logits in a
     1-row call padded to 2 rows, a 2-row call and a 17-row call. (An unpadded 1-row call may round
     differently on some CPUs: printed, not asserted, since on others it does not.)"""
-    target, _ = fp8_backends(smol["graphs"]["target", "fp8"], None, TREE, smollm2.config.max_position_embeddings)
+    target = fp8_target(smol, smollm2)
     ids = mtbench_ids[0]
     n = len(ids)
 

@@ -298,8 +298,9 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     from test_build_support import tiny_config, write_tiny_target
 
     from eagle_trt.build import build, config_from_dict
-    from eagle_trt.quant.run import fp8_backends
     from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
+    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    from eagle_trt.runtime.sessions import FP8_SESSION
 
     parity = {"enabled": family != "llama"}
     data = tiny_config(write_tiny_target(tmp_path / "target", **FP8_TARGETS[family]), parity=parity,
@@ -312,8 +313,9 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
     assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
-    target, drafter = fp8_backends(m.artifact("quantize/target.fp8.onnx"), m.artifact("quantize/drafter_tree.fp8.onnx"),
-                                   cfg.tree.shape, resolved["target"]["max_context"], threads=1)
+    target = OrtTarget(m.artifact("quantize/target.fp8.onnx"), resolved["target"]["max_context"], 1, min_rows=2,
+                       **FP8_SESSION)
+    drafter = OrtDrafter(m.artifact("quantize/drafter_tree.fp8.onnx"), cfg.tree.shape, 1, **FP8_SESSION)
     eos = resolved["target"]["eos_ids"]
     prompt = list(range(5, 25))
     expected = SpeculativeDecoder(target, drafter, eos).generate(prompt, 8).tokens

@@ -167,17 +167,18 @@ class TritonPythonModel:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
         else:
-            from eagle_trt.quant.run import Fp8OrtDrafter, Fp8OrtIteration, Fp8OrtTarget
             from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
-            # FP8 graphs need ORT's FP8 settings (weight DQs folded once, 2-row padding): quant/run.py
+            from eagle_trt.runtime.sessions import FP8_SESSION
+            # FP8 graphs need ORT's FP8 settings (weight DQs folded once; the target's 2-row padding)
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
-            target = (Fp8OrtTarget if fp8["target"] else OrtTarget)(folder / s["graphs"]["target"], s["max_context"], threads)
-            drafter = (Fp8OrtDrafter if fp8["drafter_tree"] else OrtDrafter)(folder / s["graphs"]["drafter_tree"], shape,
-                                                                             threads)
+            target = OrtTarget(folder / s["graphs"]["target"], s["max_context"], threads, min_rows=1 + fp8["target"],
+                               **(FP8_SESSION if fp8["target"] else {}))
+            drafter = OrtDrafter(folder / s["graphs"]["drafter_tree"], shape, threads,
+                                 **(FP8_SESSION if fp8["drafter_tree"] else {}))
             if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
-                iteration = (Fp8OrtIteration if any(fp8.values()) else OrtIteration)(
-                    folder / s["graphs"]["iteration"], target, drafter, threads)
+                iteration = OrtIteration(folder / s["graphs"]["iteration"], target, drafter, threads,
+                                         **(FP8_SESSION if any(fp8.values()) else {}))
         if s["backend"] != "torch":
             # One running batch per model instance: requests join it between iterations and leave
             # it when done; the cost model decides per iteration how much of each tree to verify.

@@ -24,10 +24,11 @@ from torch import nn
 
 from ..export.graph_files import save_graph
 from ..models.streamed import StreamedTarget
+from ..runtime.sessions import fp8_session
 from .config import QuantError
 from .fakequant import QuantLinear, linear_paths
 from .onnx_qdq import module_for_node
-from .run import fp8_session, is_nvfp4_graph, reference_evaluator
+from .run import is_nvfp4_graph, reference_evaluator
 
 
 @dataclass
