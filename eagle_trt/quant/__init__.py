@@ -24,11 +24,12 @@ from .calibrate import (AmaxRecorder, calibrate_drafter, calibrate_target, calib
                         load_calibration, save_calibration)
 from .check import LayerParity, layer_parity
 from .config import FORMATS, QuantConfig, QuantError, QuantPlan
-from .fakequant import QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
+from .fakequant import LinearQuantizer, QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
 from .onnx_qdq import QDQSummary, module_for_node, quantize_graph, quantize_onnx
 from .run import TRT_FP4DynamicQuantize, reference_evaluator, run_graph
 
-__all__ = ["FORMATS", "AmaxRecorder", "LayerParity", "QDQSummary", "QuantConfig", "QuantError", "QuantLinear",
-           "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize", "calibrate_drafter", "calibrate_target",
-           "calibration_prompts", "calibration_steps", "layer_parity", "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
+__all__ = ["FORMATS", "AmaxRecorder", "LayerParity", "LinearQuantizer", "QDQSummary", "QuantConfig",
+           "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
+           "calibrate_drafter", "calibrate_target", "calibration_prompts", "calibration_steps", "layer_parity",
+           "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
            "quantize_onnx", "quantized_copy", "reference_evaluator", "run_graph", "save_calibration"]

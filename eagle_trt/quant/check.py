@@ -166,7 +166,7 @@ def _quantized_paths(reference) -> list[str]:
     """The module paths of the reference's QuantLinears (of a StreamedTarget fake-quant reference:
     those it makes as it reads each part)."""
     if isinstance(reference, StreamedTarget):
-        cfg = reference.fake_quant[0]
+        cfg = reference.fake_quant.cfg
         return [p for p, linear in linear_paths(reference.model).items() if cfg.skip_reason(p, linear.in_features) is None]
     return [path for path, m in reference.named_modules() if isinstance(m, QuantLinear)]
 
