@@ -283,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        from .bench import parse_tree
+        from .config import parse_tree
         shapes = [parse_tree(t) for t in args.tree.split(";") if t.strip()]
         if args.threads:
             torch.set_num_threads(args.threads)
