@@ -17,11 +17,11 @@ PACKAGE_DIR = Path(eagle_trt.__file__).parent
 PACKAGE = PACKAGE_DIR.name
 
 
-def package_modules() -> dict[str, Path]:
-    """Every module of the package: dotted name -> file (a package by its __init__.py)."""
+def package_modules(root: Path = PACKAGE_DIR) -> dict[str, Path]:
+    """Every module of the package at `root`: dotted name -> file (a package by its __init__.py)."""
     modules = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        parts = (PACKAGE, *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = (root.name, *path.relative_to(root).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
@@ -45,10 +45,10 @@ def imported_names(module: str, path: Path) -> set[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules importing it runs (the named module, or the package whose
+def import_graph(root: Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    """module -> the package modules importing it runs (the named module, or the module whose
     attribute a name is, and the packages above it), its own packages left out (already running)."""
-    modules = package_modules()
+    modules = package_modules(root)
     graph = {}
     for module, path in modules.items():
         found = set()
@@ -123,14 +123,30 @@ def cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
 GRAPH = import_graph()
 
 
-def test_the_graph_sees_imports_at_module_level_inside_functions_and_through_packages():
-    assert "eagle_trt.runtime.onnxruntime_backend" in GRAPH["eagle_trt.runtime.decoder"] or \
-        "eagle_trt.runtime.backend" in GRAPH["eagle_trt.runtime.decoder"]
-    assert "eagle_trt.device_bench" in GRAPH["eagle_trt.bench"]                       # inside main()
-    assert {"eagle_trt.export", "eagle_trt.export.graphs"} <= GRAPH["eagle_trt.parity"]   # from .export.graphs
-    assert "eagle_trt.build.triton_model" in package_modules()                        # parsed, not imported
+def test_the_graph_sees_imports_at_module_level_inside_functions_and_through_packages(tmp_path):
+    root = tmp_path / "pkg"
+    files = {"__init__.py": "",
+             "low.py": "import json\n",
+             "mid.py": "from .low import json\nfrom . import low as _\n",
+             "top.py": "def main():\n    from pkg.sub.leaf import thing\n",
+             "sub/__init__.py": "from .leaf import thing\nfrom . import back\n",
+             "sub/leaf.py": "from ..mid import json\nthing = 1\n",
+             "sub/back.py": "def f():\n    from .. import top\n"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    graph = import_graph(root)
+    assert graph["pkg.low"] == set() and graph["pkg.mid"] == {"pkg.low"}         # a name of a module: the module
+    assert graph["pkg.top"] == {"pkg.sub", "pkg.sub.leaf"}          # inside a function; the package runs first
+    assert graph["pkg.sub"] == {"pkg.sub.leaf", "pkg.sub.back"}
+    assert graph["pkg.sub.leaf"] == {"pkg.mid"}                     # its own package: already running
+    assert graph["pkg.sub.back"] == {"pkg.top"}                     # `from .. import top`: a submodule
+    # top imports sub.leaf, so sub's __init__ runs, which imports back, which imports top
+    assert cycles(graph) == [["pkg.sub", "pkg.sub.back", "pkg.top"]]
+    assert cycle_path(graph, cycles(graph)[0]) == ["pkg.sub", "pkg.sub.back", "pkg.top", "pkg.sub"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycle_path({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert "eagle_trt.build.triton_model" in GRAPH                  # parsed, never imported
 
 
 def test_no_module_imports_one_that_imports_it_back():
