@@ -1,9 +1,10 @@
 """The package's imports point one way: lower layers never import higher ones, and no module
 imports one that imports it back (directly or through others). The graph is read from the
-source with `ast`, nothing is imported (build/triton_model.py imports Triton's own module): every
-`import` and `from ... import` of a package module, at module level or inside a function, where
-`from .x import y` counts y when y is a submodule, and importing `a.b.c` counts the packages
-`a.b` runs first (their `__init__` imports are part of the graph too)."""
+source with `ast` as the cache keys read it (codehash.imported_names), nothing is imported
+(build/triton_model.py imports Triton's own module): every `import` and `from ... import` of a
+package module, at module level or inside a function, where `from .x import y` counts y when y
+is a submodule, and importing `a.b.c` counts the packages `a.b` runs first (their `__init__`
+imports are part of the graph too)."""
 from __future__ import annotations
 
 import ast
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import eagle_trt
+from eagle_trt.codehash import imported_names
 
 PACKAGE_DIR = Path(eagle_trt.__file__).parent
 PACKAGE = PACKAGE_DIR.name
@@ -26,25 +28,6 @@ def package_modules(root: Path = PACKAGE_DIR) -> dict[str, Path]:
     return modules
 
 
-def imported_names(module: str, path: Path) -> set[str]:
-    """The dotted names a module's imports name (a `from` import's source, and source.name for
-    each name it takes, which may be a submodule or an attribute)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            names.add(source)
-            names.update(f"{source}.{alias.name}" for alias in node.names)
-    return names
-
-
 def import_graph(root: Path = PACKAGE_DIR) -> dict[str, set[str]]:
     """module -> the package modules importing it runs (the named module, or the module whose
     attribute a name is, and the packages above it), its own packages left out (already running)."""
@@ -52,7 +35,8 @@ def import_graph(root: Path = PACKAGE_DIR) -> dict[str, set[str]]:
     graph = {}
     for module, path in modules.items():
         found = set()
-        for name in imported_names(module, path):
+        tree = ast.parse(path.read_text(), str(path))
+        for name in imported_names(module, tree, path.name == "__init__.py"):
             while name and name not in modules:       # an attribute of a module: that module
                 name = name.rpartition(".")[0]
             parts = name.split(".")
@@ -181,5 +165,6 @@ def test_lower_layers_do_not_import_higher_ones(folder, banned):
 
 def test_graph_names_import_nothing_heavy():
     """The runtime and the exporter share the graphs' names from a module without torch or onnx."""
-    names = imported_names("eagle_trt.graph_names", PACKAGE_DIR / "graph_names.py")
+    path = PACKAGE_DIR / "graph_names.py"
+    names = imported_names("eagle_trt.graph_names", ast.parse(path.read_text()), False)
     assert not {n.split(".")[0] for n in names} & {"torch", "onnx", "onnxruntime", "numpy", PACKAGE}
