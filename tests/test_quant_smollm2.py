@@ -18,8 +18,8 @@ from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.data import mtbench_prompts
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.models.target import LlamaTarget, causal_mask
-from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, layer_parity, linear_paths, load_calibration, quantize_onnx, quantized_copy,
-                             run_graph, save_calibration)
+from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, layer_parity,
+                             linear_paths, load_calibration, quantize_onnx, quantized_copy, run_graph, save_calibration)
 from eagle_trt.runtime.backend import TorchDrafter
 from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
