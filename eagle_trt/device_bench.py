@@ -39,9 +39,9 @@ from .api import onnxruntime_backends, ort_cuda_available, prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
-from .runtime.sessions import PROVIDERS
 from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.decoder import Request
+from .runtime.sessions import PROVIDERS
 from .runtime.static import StaticDecoder
 from .workloads import build
 

@@ -172,8 +172,8 @@ class TritonPythonModel:
             # FP8 graphs need ORT's FP8 settings (weight DQs folded once; the target's 2-row padding)
             fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
             threads = s["threads"] or None
-            target = OrtTarget(folder / s["graphs"]["target"], s["max_context"], threads, min_rows=1 + fp8["target"],
-                               **(FP8_SESSION if fp8["target"] else {}))
+            target = OrtTarget(folder / s["graphs"]["target"], s["max_context"], threads,
+                               min_rows=2 if fp8["target"] else 1, **(FP8_SESSION if fp8["target"] else {}))
             drafter = OrtDrafter(folder / s["graphs"]["drafter_tree"], shape, threads,
                                  **(FP8_SESSION if fp8["drafter_tree"] else {}))
             if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
