@@ -11,8 +11,8 @@ from .checkpoints import LoadedTarget, cache_dir, load_drafter, load_target, ran
 from .config import ConfigError, SamplingConfig, TreeShape
 from .devices import resolve_device, resolve_dtype, torch_dtype
 from .models.drafter import EagleDrafter
-from .runtime.backend import TorchDrafter, TorchTarget
-from .runtime.decoder import SpeculativeDecoder
+from .runtime.loop import DecodingLoop
+from .runtime.static import StaticEngine
 
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 
@@ -50,7 +50,7 @@ class Pipeline:
     drafter: EagleDrafter
     drafter_source: str
     tokenizer: object
-    decoder: SpeculativeDecoder
+    decoder: DecodingLoop
 
     def generate(self, prompt: str, max_new_tokens: int, sampling: SamplingConfig | None = None,
                  chat: bool = False) -> dict:
@@ -120,12 +120,14 @@ BACKENDS = ("torch", "onnxruntime")
 
 def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str | None = "float32",
                   log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
-                  device: str = "cpu", iteration_graph: bool = True) -> Pipeline:
-    """backend 'torch' runs the PyTorch models on `device`; 'onnxruntime' exports the target and
-    the drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on ONNX
-    Runtime, on the CPU or (device 'cuda', with onnxruntime-gpu installed) its CUDA provider,
-    with iteration_graph (the default, as the build serves) also the two composed into one graph
-    called once an iteration (export/iteration.py); the drafter graph still encodes prompts."""
+                  device: str = "cpu", iteration_graph: bool = True, max_batch: int = 1) -> Pipeline:
+    """backend 'torch' runs the PyTorch models on `device` (the fixed-shape engine,
+    runtime/static.py: CUDA graphs on a GPU); 'onnxruntime' exports the target and the
+    drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on ONNX Runtime,
+    on the CPU or (device 'cuda', with onnxruntime-gpu installed) its CUDA provider, with
+    iteration_graph (the default, as the build serves) also the two composed into one graph
+    called once an iteration (export/iteration.py); the drafter graph still encodes prompts.
+    max_batch: the sequences the torch engine lays its caches out for."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     providers = None
@@ -139,17 +141,14 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
         device = "cpu"          # the models are traced on the CPU; the sessions run on `providers`
     models = prepare_models(target_spec, drafter_path, dtype, log, device)
     dtype = str(models.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    iteration = None
     if backend == "torch":
-        target_backend, drafter_backend = TorchTarget(models.target.model), TorchDrafter(models.drafter, shape)
+        engine = StaticEngine(models.target.model, models.drafter, shape, max_batch=max_batch)
     else:
         if dtype not in ("float32", "float16"):
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
-        target_backend, drafter_backend, iteration = onnxruntime_backends(models, shape, folder, dtype, log,
-                                                                          iteration_graph, providers)
-    decoder = SpeculativeDecoder(target_backend, drafter_backend, models.eos_ids,
-                                 vocab_size=models.target.config.vocab_size, iteration=iteration)
+        engine = onnxruntime_backends(models, shape, folder, dtype, log, iteration_graph, providers).engine()
+    decoder = DecodingLoop(engine, models.eos_ids, vocab_size=models.target.config.vocab_size)
     return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)
 
 
@@ -163,19 +162,20 @@ def ort_cuda_available() -> str | None:
 
 def onnxruntime_backends(models: Models, shape: TreeShape | None, folder: Path, dtype: str = "float32",
                          log: TextIO | None = None, iteration_graph: bool = True, providers: list[str] | None = None,
-                         kv_device: str | None = None):
-    """(target, drafter, iteration) backends on `models`' graphs in `folder` (exported there where
-    not current), on ONNX Runtime's `providers` (default: the CPU's). shape None: the target
-    alone (plain decoding; drafter and iteration None); iteration_graph False: no iteration graph.
-    kv_device: where the KV caches live (onnxruntime_backend.kv_device_for; None: on the GPU
-    where the sessions run on CUDA and PyTorch has it)."""
+                         kv_device: str | None = None, drafter_graph: str = "drafter_tree", **session):
+    """ONNX Runtime backends (runtime/ort_engines.OrtBackends: `.engine()` decodes on them) on
+    `models`' graphs in `folder` (exported there where not current), on ONNX Runtime's
+    `providers` (default: the CPU's). shape None: the target alone (plain decoding);
+    iteration_graph False: no iteration graph. kv_device: where the KV caches live
+    (onnxruntime_backend.kv_device_for; None: on the GPU where the sessions run on CUDA and
+    PyTorch has it). drafter_graph: 'drafter_tree', or 'drafter_tree_int8' (its int8 weights,
+    export/cpu_int8.py; the iteration graph composed of it). session: open_backends' options."""
     from .export import export_pipeline
-    from .runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
-    names = ("target",) if shape is None else ("target", "drafter_tree") + (("iteration",) if iteration_graph else ())
+    from .runtime.ort_engines import open_backends
+    iteration = {"drafter_tree": "iteration", "drafter_tree_int8": "iteration_int8"}[drafter_graph]
+    names = ("target",) if shape is None else ("target", drafter_graph) + ((iteration,) if iteration_graph else ())
     graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names)
-    target = OrtTarget(graphs["target"], models.target.config.max_position_embeddings, providers=providers,
-                       kv_device=kv_device)
-    drafter = OrtDrafter(graphs["drafter_tree"], shape, providers=providers, kv_device=kv_device) \
-        if shape is not None else None
-    iteration = OrtIteration(graphs["iteration"], target, drafter, providers=providers) if "iteration" in graphs else None
-    return target, drafter, iteration
+    graphs = {"target": graphs["target"], "drafter_tree": graphs.get(drafter_graph), "iteration": graphs.get(iteration)}
+    return open_backends({k: v for k, v in graphs.items() if v is not None}, shape,
+                         models.target.config.max_position_embeddings, providers=providers, kv_device=kv_device,
+                         **session)

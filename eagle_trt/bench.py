@@ -46,11 +46,12 @@ from .config import ConfigError, SamplingConfig, TreeShape, parse_tree
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .evaluate import depth_rates
 from .export import export_pipeline
-from .runtime.backend import TorchDrafter, TorchTarget
 from .runtime.cost import NodeTrim
-from .runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from .runtime.timing import OrtDecoding, decoding_threads, ort_threads, synced_graph_seconds
-from .runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+from .runtime.loop import DecodingLoop
+from .runtime.onnxruntime_backend import OrtTarget
+from .runtime.ort_engines import open_backends
+from .runtime.static import StaticEngine
+from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
 from .workloads import build
 
 MODES = ("transformers", "autoregressive", "speculative")
@@ -90,12 +91,13 @@ def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, 
     shapes take turns on each prompt (the order reversed every other round) and each prompt's
     fastest of `repeats` runs counts, so a drift of the machine's speed over the sweep does not
     pick the shape that happened to run while it was fast."""
-    decoders, drafters = [], {}
+    decoders, opened = [], {}
     for shape, trim in candidates:
-        if shape not in drafters:
-            drafters[shape] = OrtDrafter(drafter_graph(models, shape, folder, weights), shape, threads)
-        decoders.append(SpeculativeDecoder(target, drafters[shape], models.eos_ids, models.target.config.vocab_size,
-                                           trim=NodeTrim() if trim else None))
+        if shape not in opened:
+            opened[shape] = open_backends({"drafter_tree": drafter_graph(models, shape, folder, weights)}, shape,
+                                          target.max_context, threads=threads, target=target)
+        decoders.append(DecodingLoop(opened[shape].engine(trim=NodeTrim() if trim else None), models.eos_ids,
+                                     models.target.config.vocab_size))
     best: list[list] = [[None] * len(prompts) for _ in candidates]      # fastest run per shape and prompt
     with decoding_threads():
         for d in decoders:
@@ -166,14 +168,13 @@ class HFBaseline:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDecoding, max_new_tokens: int,
-                 depth: int, torch_decoder: SpeculativeDecoder | None = None, repeats: int = 2,
+                 depth: int, torch_decoders: tuple[DecodingLoop, DecodingLoop] | None = None, repeats: int = 2,
                  sampling: SamplingConfig | None = None) -> dict:
     """sampling: every mode samples, prompt i with seed i; outputs then differ between modes (each
     draws its own way from the same distribution), so identical_outputs is None."""
     eos = ort.eos
-    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoder else ())}
+    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoders else ())}
     torch_identical = 0
-    torch_split = {"seconds": 0.0, "target_graph": 0.0, "drafter_graph": 0.0, "iterations": 0}
     split = {role: 0.0 for role in ort.sessions}      # seconds inside each session's calls
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
@@ -194,19 +195,12 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
-        if torch_decoder is not None:   # the PyTorch backend on --device: lossless against its own AR loop
-            t_ar = generate_autoregressive(torch_decoder.target, ids, max_new_tokens, eos, how)
-            t_sp = torch_decoder.generate(ids, max_new_tokens, how)
+        if torch_decoders is not None:   # the PyTorch engine on --device: lossless against its own plain loop
+            t_ar, t_sp = (d.generate(ids, max_new_tokens, how) for d in torch_decoders)
             for mode, run in zip(TORCH_MODES, (t_ar, t_sp)):
                 rows[mode]["tokens"] += len(run.tokens)
                 rows[mode]["seconds"] += run.seconds
             torch_identical += t_sp.tokens == t_ar.tokens
-            with synced_graph_seconds(torch_decoder.target, torch_decoder.drafter):   # where its time goes
-                synced = torch_decoder.generate(ids, max_new_tokens, how)
-                torch_split["seconds"] += synced.seconds
-                torch_split["target_graph"] += torch_decoder.target.graph_seconds
-                torch_split["drafter_graph"] += torch_decoder.drafter.graph_seconds
-                torch_split["iterations"] += synced.drafter_calls
         print(f"  {name} {i + 1}/{len(prompts)}: accept {sp.mean_accept_length:.2f}; tok/s transformers "
               f"{len(hf_tokens) / hf_s:.1f}, autoregressive {len(ar.tokens) / ar.seconds:.1f}, speculative "
               f"{len(sp.tokens) / sp.seconds:.1f}", file=sys.stderr, flush=True)
@@ -236,11 +230,8 @@ def run_workload(name: str, prompts: list[list[int]], hf: HFBaseline, ort: OrtDe
             "cost": cost, "identical_outputs": identical if sampling is None else None, "peak_rss_gb": peak_rss_gb(),
             **({"torch_speedup": rows["torch-speculative"]["tokens_per_second"]
                 / rows["torch-autoregressive"]["tokens_per_second"],
-                "torch_identical_outputs": torch_identical if sampling is None else None,
-                # a separate run with the device synchronized around each model call (its own seconds)
-                "torch_host_ms_per_iteration": 1e3 * (torch_split["seconds"] - torch_split["target_graph"]
-                                                      - torch_split["drafter_graph"]) / torch_split["iterations"],
-                "torch_synced_split": torch_split} if torch_decoder else {})}
+                "torch_identical_outputs": torch_identical if sampling is None else None}
+               if torch_decoders else {})}
 
 
 def format_table(results: list[dict]) -> str:
@@ -267,14 +258,13 @@ def format_table(results: list[dict]) -> str:
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
     if "torch_speedup" in results[0]:
-        head = (f"{'workload':<10}{'torch AR tok/s':>16}{'torch spec tok/s':>18}{'speed-up':>10}{'same':>7}"
-                f"{'host ms/it':>12}")
-        lines += ["", "PyTorch backend (see torch_device in bench.json):", head, "-" * len(head)]
+        head = f"{'workload':<10}{'torch AR tok/s':>16}{'torch spec tok/s':>18}{'speed-up':>10}{'same':>7}"
+        lines += ["", "PyTorch engine (runtime/static.py; see torch_device in bench.json):", head, "-" * len(head)]
         for r in results:
             m = r["modes"]
             lines.append(f"{r['workload']:<10}{m['torch-autoregressive']['tokens_per_second']:>16.1f}"
                          f"{m['torch-speculative']['tokens_per_second']:>18.1f}{r['torch_speedup']:>9.2f}x"
-                         f"{_same(r['torch_identical_outputs'], r['prompts'])}{r['torch_host_ms_per_iteration']:>11.2f}")
+                         f"{_same(r['torch_identical_outputs'], r['prompts'])}")
     return "\n".join(lines)
 
 
@@ -409,7 +399,8 @@ def main(argv=None) -> int:
     threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
     graphs = export_pipeline(models, shapes[0], folder, log=sys.stderr, only=("target",))
     target_graph = graphs["target"]
-    target = OrtTarget(target_graph, models.target.config.max_position_embeddings, threads)
+    target = open_backends({"target": target_graph}, None, models.target.config.max_position_embeddings,
+                           threads=threads).target
     tree_sweep = []
     if len(candidates) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts, shapes taking turns, fastest of "
@@ -419,22 +410,24 @@ def main(argv=None) -> int:
     shape, trim = (TreeShape(*tree_sweep[0]["tree"]), tree_sweep[0]["node_trim"]) if tree_sweep else candidates[0]
     eos = models.eos_ids
     one_call = args.iteration_graph == "on" and not trim
-    ort = OrtDecoding.open(target_graph, drafter_graph(models, shape, folder, args.drafter_weights), shape,
-                           models.target.config.max_position_embeddings, eos, models.target.config.vocab_size,
-                           threads, target=target, trim=trim, iteration_graph=iteration_graph(
-                               models, shape, folder, target_graph, args.drafter_weights) if one_call else None)
+    served = {"target": target_graph, "drafter_tree": drafter_graph(models, shape, folder, args.drafter_weights)}
+    if one_call:
+        served["iteration"] = iteration_graph(models, shape, folder, target_graph, args.drafter_weights)
+    ort = OrtDecoding.open(served, shape, models.target.config.max_position_embeddings, eos,
+                           models.target.config.vocab_size, threads, target=target, trim=trim)
     hf = HFBaseline(models.target.folder, device, torch_dtype(dtype)) if names else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
-    torch_decoder = None
+    torch_decoders = None
     if torch_models is not None:
-        torch_decoder = SpeculativeDecoder(TorchTarget(torch_models.target.model),
-                                           TorchDrafter(torch_models.drafter, shape), eos,
-                                           models.target.config.vocab_size)
-        torch_decoder.generate(warm, 8)
+        vocab = models.target.config.vocab_size
+        torch_decoders = (DecodingLoop(StaticEngine(torch_models.target.model), eos, vocab),
+                          DecodingLoop(StaticEngine(torch_models.target.model, torch_models.drafter, shape), eos, vocab))
+        for d in torch_decoders:
+            d.generate(warm, 8)
     if hf is not None:
         hf.generate(warm, 8, eos)
-    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoder, args.repeats,
+    results = [run_workload(w, prompts[w], hf, ort, args.max_new_tokens, shape.depth, torch_decoders, args.repeats,
                             sampling) for w in names]
     concurrent = []
     if levels:
@@ -450,7 +443,7 @@ def main(argv=None) -> int:
               "drafter_variant": models.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
-              "torch_device": f"{device.type} {dtype}" if torch_decoder else None,
+              "torch_device": f"{device.type} {dtype}" if torch_decoders else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,

@@ -2,7 +2,7 @@
 
 At each level c, every prompt is a request, all submitted at once, with at most c decoded at a
 time (a finished stream's slot goes to the next request). Three ways to serve them:
-- `speculative-batched`: one continuously batched speculative decoder (runtime/decoder.py) with
+- `speculative-batched`: one continuously batched speculative decoding loop (runtime/loop.py) with
   the cost model choosing how many draft tokens each iteration verifies;
 - `autoregressive-batched`: the same loop without a drafter (one token per sequence per call);
 - `speculative-per-request`: c threads, each running its own batch-1 speculative decoder on the
@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from .runtime.cost import CostModel
-from .runtime.decoder import GenerationResult, Request, SpeculativeDecoder
+from .runtime.loop import DecodingLoop, GenerationResult, Request
 from .runtime.timing import graph_seconds
+from .runtime.two_call import IterationEngine, TwoCallEngine
 
 MODES = ("speculative-batched", "autoregressive-batched", "speculative-per-request")
 
@@ -44,7 +45,7 @@ def per_request_threads(target, drafter, eos, vocab_size, prompts, max_new_token
     start = time.perf_counter()
 
     def worker():
-        decoder = SpeculativeDecoder(copy.copy(target), copy.copy(drafter), eos, vocab_size)
+        decoder = DecodingLoop(TwoCallEngine(copy.copy(target), copy.copy(drafter)), eos, vocab_size)
         while True:
             with lock:
                 if not todo:
@@ -79,11 +80,11 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
         return results, None, time.perf_counter() - start, None
     shape = drafter.shape
     if mode == "speculative-batched":
-        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size,
-                                     CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)), iteration=iteration)
+        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
+        engine = IterationEngine(iteration, cost) if iteration is not None else TwoCallEngine(target, drafter, cost)
     else:
-        decoder = SpeculativeDecoder(plain_target or target, None, eos, vocab_size)
-    backends = (decoder.target, decoder.drafter, decoder.iteration)
+        engine = TwoCallEngine(plain_target or target)
+    decoder, backends = DecodingLoop(engine, eos, vocab_size), engine.backends
     decoder.generate_batch([Request(p, min(32, max_new_tokens)) for p in warm], max_batch=streams)
     decoder.verified.clear()
     graph0, start = graph_seconds(*backends), time.perf_counter()
@@ -99,7 +100,8 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
     repeat so drift in the machine's speed falls on each alike; tokens/s is the median run's,
     latencies are pooled over the runs. iteration: see run_level."""
     log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
-    solo = [SpeculativeDecoder(target, drafter, eos, vocab_size).generate(p, max_new_tokens).tokens for p in prompts]
+    solo_decoder = DecodingLoop(TwoCallEngine(target, drafter), eos, vocab_size)
+    solo = [solo_decoder.generate(p, max_new_tokens).tokens for p in prompts]
     rows = []
     for streams in levels:
         runs: dict[str, list] = {mode: [] for mode in MODES}

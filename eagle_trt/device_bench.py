@@ -39,10 +39,9 @@ from .api import onnxruntime_backends, ort_cuda_available, prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
-from .runtime.backend import TorchDrafter, TorchTarget
-from .runtime.decoder import Request
+from .runtime.loop import DecodingLoop, Request
 from .runtime.sessions import PROVIDERS
-from .runtime.static import StaticDecoder
+from .runtime.static import StaticEngine
 from .workloads import build
 
 # the ONNX Runtime rows: provider (PROVIDERS: the providers each takes), where the KV caches live
@@ -58,18 +57,19 @@ def synchronize(device: torch.device) -> None:
 
 
 class CapturedRow:
-    """A StaticDecoder (speculative or plain), timed per prompt, its GPU time per replay."""
+    """A loop on a StaticEngine (speculative or plain), timed per prompt, its GPU time per replay."""
 
-    def __init__(self, name: str, decoder: StaticDecoder, device: torch.device):
+    def __init__(self, name: str, decoder: DecodingLoop, device: torch.device):
         self.name, self.decoder, self.device = name, decoder, device
-        decoder.replayer.events = [] if decoder.replayer.capture else None
+        engine = decoder.engine
+        engine.replayer.events = [] if engine.replayer.capture else None
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict:
-        dec = self.decoder
+        dec = self.decoder.engine
         synchronize(self.device)
         dec.step_seconds, dec.replayer.events = 0.0, [] if dec.replayer.capture else None
         start = time.perf_counter()
-        res = dec.generate(ids, max_new_tokens)
+        res = self.decoder.generate(ids, max_new_tokens)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         return {"tokens": res.tokens, "seconds": seconds, "accept": res.accept_lengths,
@@ -117,11 +117,10 @@ class OrtRow:
 
     def __init__(self, name: str, models, shape: TreeShape | None, folder: Path, eos: set[int],
                  providers: list[str], kv_device: str | None = None):
-        from .runtime.decoder import SpeculativeDecoder
         self.name = name
-        target, drafter, iteration = onnxruntime_backends(models, shape, folder, log=sys.stderr, providers=providers,
-                                                          kv_device=kv_device)
-        self.decoder = SpeculativeDecoder(target, drafter, eos, models.target.config.vocab_size, iteration=iteration)
+        engine = onnxruntime_backends(models, shape, folder, log=sys.stderr, providers=providers,
+                                      kv_device=kv_device).engine()
+        self.decoder = DecodingLoop(engine, eos, models.target.config.vocab_size)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict:
         start = time.perf_counter()
@@ -139,12 +138,12 @@ def make_rows(args, models, f32_models, shapes: list[TreeShape], device, dtype: 
     capture = "off" if device.type != "cuda" else "auto"
     static = dict(max_batch=max(args.streams, 1), capacity=capacity, capture=capture, compile=args.compile)
     if "captured-plain" in want:
-        rows.append(CapturedRow("captured plain", StaticDecoder(TorchTarget(models.target.model), None, eos, vocab,
-                                                                **static), device))
+        rows.append(CapturedRow("captured plain", DecodingLoop(StaticEngine(models.target.model, **static), eos, vocab),
+                                device))
     for shape in shapes if "captured-speculative" in want else []:
         label = f"captured speculative {shape.depth},{shape.top_k},{shape.total_tokens}"
-        rows.append(CapturedRow(label, StaticDecoder(TorchTarget(models.target.model),
-                                                     TorchDrafter(models.drafter, shape), eos, vocab, **static), device))
+        engine = StaticEngine(models.target.model, models.drafter, shape, **static)
+        rows.append(CapturedRow(label, DecodingLoop(engine, eos, vocab), device))
     for name, compiled in (("transformers-compiled", True), ("transformers-eager", False)):
         if name in want:
             rows.append(TransformersRow(name.replace("-", " "), models.target.folder, device, torch_dtype(dtype),

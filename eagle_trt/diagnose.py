@@ -31,8 +31,8 @@ from .config import ConfigError
 from .evaluate import parse_drafters
 from .models.drafter import EagleDrafter
 from .models.target import causal_mask
-from .runtime.backend import TorchTarget
-from .runtime.decoder import generate_autoregressive
+from .runtime.loop import DecodingLoop
+from .runtime.static import StaticEngine
 from .workloads import build
 
 METRICS = ("sink_share", "draft_share", "state_norm")
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     acc = {name: {w: {m: [] for m in METRICS} for w in workloads} for name, _ in drafters}
     for w, prompts in workloads.items():
         for i, prompt in enumerate(prompts):
-            cont = generate_autoregressive(TorchTarget(target.model), prompt, args.continuation, eos).tokens
+            cont = DecodingLoop(StaticEngine(target.model, max_batch=1), eos).generate(prompt, args.continuation).tokens
             seq = prompt + cont
             n = len(prompt)
             cuts = sorted({n - 1 + round((k + 1) * (len(cont) - 1) / args.cuts) for k in range(args.cuts)})

@@ -25,8 +25,8 @@ from .api import load_target_on
 from .checkpoints import CheckpointError, load_drafter
 from .devices import add_device_options
 from .config import ConfigError, TreeShape
-from .runtime.backend import TorchDrafter, TorchTarget
-from .runtime.decoder import SpeculativeDecoder
+from .runtime.loop import DecodingLoop
+from .runtime.static import PrefillCache, StaticEngine
 from .workloads import WORKLOADS, build
 
 DEFAULT_WORKLOADS = ("mtbench", "long-1k", "long-2k", "long-4k", "system-custom", "system-none", "plain")
@@ -57,28 +57,10 @@ def depth_rates(accept_lengths: list[int], depth: int) -> tuple[list[float], lis
     return absolute, conditional
 
 
-class PrefillOnce(TorchTarget):
-    """TorchTarget that reuses the last prompt's prefill: evaluate runs every drafter and tree
-    on one prompt back to back, and a long prompt's prefill is most of the time (a ~7k-token
-    prefill takes ~270 s of one core, the 128 tokens after it ~25 s). The reused outputs are
-    those the same call would compute, so nothing a drafter sees changes."""
-    _last: tuple | None = None
-
-    def _run(self, input_ids, positions, mask, logits_index, slots, width):
-        if width or len(slots) != 1:    # only a whole prompt of one sequence (no past) is a prefill
-            return super()._run(input_ids, positions, mask, logits_index, slots, width)
-        key = (input_ids, positions, mask, logits_index)
-        last = self._last
-        if last is None or not all(torch.equal(a, b) for a, b in zip(last[0], key)):
-            self._last = last = (tuple(t.clone() for t in key),
-                                 super()._run(input_ids, positions, mask, logits_index, slots, width))
-        return last[1]
-
-
-def evaluate_prompts(runs: list[tuple[str, TreeShape, SpeculativeDecoder]], workload: str,
+def evaluate_prompts(runs: list[tuple[str, TreeShape, DecodingLoop]], workload: str,
                      prompts: list[list[int]], max_new_tokens: int, log=None) -> list[WorkloadResult]:
     """Every run (drafter name, tree, decoder) on each prompt in turn, prompt-major, so that
-    decoders sharing a PrefillOnce target prefill each prompt once."""
+    engines sharing a PrefillCache prefill each prompt once."""
     accepts: list[list[int]] = [[] for _ in runs]
     tokens: list[list[list[int]]] = [[] for _ in runs]
     seconds = [0.0] * len(runs)
@@ -179,8 +161,11 @@ def main(argv=None) -> int:
     log = None if args.quiet else sys.stderr
     results: list[WorkloadResult] = []
     t0 = time.perf_counter()
-    shared = PrefillOnce(target.model)
-    runs = [(name, shape, SpeculativeDecoder(shared, TorchDrafter(d, shape), eos, target.config.vocab_size))
+    # each prompt prefilled once for every drafter and tree: a long prompt's prefill is most of
+    # its time (a ~7k-token prefill takes ~270 s of one core, the 128 tokens after it ~25 s)
+    prefills = PrefillCache()
+    runs = [(name, shape, DecodingLoop(StaticEngine(target.model, d, shape, max_batch=1, prefills=prefills), eos,
+                                       target.config.vocab_size))
             for shape in shapes for name, d, _ in loaded]
     for w in names:
         results += evaluate_prompts(runs, w, prompts[w], args.max_new_tokens, log)

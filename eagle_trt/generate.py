@@ -1,6 +1,6 @@
 """python -m eagle_trt.generate: speculative decoding from the command line.
 
-A thin skin over `eagle_trt.api.load_pipeline` and `SpeculativeDecoder.generate`."""
+A thin skin over `eagle_trt.api.load_pipeline` and `DecodingLoop.generate`."""
 from __future__ import annotations
 
 import argparse

@@ -13,7 +13,6 @@ nodes (one copy to commit its KV rows).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +91,15 @@ class DraftTree:
         arrays = (views, cut(*host)) if host is not None else None
         top = self.tops[n] = DraftTree(views[0], self.parents[..., :n + 1], views[1], views[2], views[3], arrays)
         return top
+
+
+@functools.cache
+def root_only_tree() -> DraftTree:
+    """The root alone (verifying it is one step of plain decoding), on the CPU where sampled
+    acceptance reads it; made once: nothing writes it."""
+    z = torch.zeros(0, dtype=torch.int64)
+    return DraftTree(z, torch.full((1,), -1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.bool),
+                     torch.zeros(1, dtype=torch.int64), z.float())
 
 
 def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@
 # sequences of similar length, and kept on the GPU for later epochs (nothing on disk). Runs where
 # the GPU is; the H200 run of 2026-11-27 (62ece87) was
 #
-#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 KEEP_GB=60 VARIANTS=eagle3.1 PROFILE=0 \
+#     GGUF=/root/stash/s.gguf MIN=6 LR=2e-4 WARMUP=50 KEEP_GB=60 VARIANTS=eagle3.1 \
 #         SETS="data/distill/smollm2-sharegpt data/distill/smollm2-sharegpt-t07" \
 #         INIT=eagle_trt/drafters/smollm2- [GEN_MIN=3 GEN_SET="later sampled"] [BENCH_MIN=2] RESULTS=$OUT bash scripts/gpu_train.sh
 #
@@ -33,7 +33,6 @@ TTT=${TTT:-5}
 LENGTH_GROUPS=${LENGTH_GROUPS:-16}       # --length-groups: batches cut by length (the H200 leg of 2026-11-26 padded 45% of its tokens)
 VARIANTS=${VARIANTS:-"eagle3.1 eagle3"}   # one variant gets the whole GPU
 SETS=${SETS:-data/distill/smollm2-sharegpt}   # distillation sets, space-separated (each one --distill)
-PROFILE=${PROFILE:-1}         # 0: skip the step profile (12 s of device time)
 INIT=${INIT:-}                # e.g. eagle_trt/drafters/smollm2-: continue from the drafter folder <INIT><variant>
                               # (config, weights and its train_log.json, for the CPU-hours lineage); default: from scratch
 export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-/tmp/eagle-trt-cache} PYTHONUNBUFFERED=1
@@ -100,12 +99,6 @@ for gen_set in ${GEN_SET:-}; do
 done
 [ "$MIN" = 0 ] && { ls -la "$RESULTS"; exit 0; }
 
-# where a step's time goes on this GPU (the first H200 run trained far below the device's speed)
-[ "$PROFILE" != 0 ] && for groups in 1 "$LENGTH_GROUPS"; do
-  $PY scripts/profile_train_step.py --batch-size "$BATCH" --steps 6 --length-groups "$groups" 2>&1 | grep -v Warning
-done > "$RESULTS/profile_train_step.txt" || true
-[ "$PROFILE" != 0 ] && cat "$RESULTS/profile_train_step.txt"
-
 distill=()
 for set in $SETS; do distill+=(--distill "$set"); done
 for variant in $VARIANTS; do
@@ -128,9 +121,6 @@ for variant in $VARIANTS; do echo "== $variant"; grep -E "eval at|budget|error|d
 if [ "${BENCH_MIN:-0}" != 0 ]; then
   timeout "$(( ${BENCH_MIN%.*} * 60 ))" $PY -m eagle_trt.bench --device cuda --workloads mtbench --prompts 5 \
     --max-new-tokens 64 --tree 3,2,4 --repeats 1 --threads 8 --out "$RESULTS/bench" 2>&1 | grep -v Warning | tail -25 || true
-  # what CUDA graphs would give the PyTorch backend's calls (eager vs replayed, same shapes)
-  timeout 120 $PY scripts/cuda_graph_probe.py --device cuda --tokens 1,5 --past 128 2>&1 | grep -v Warning \
-    | tee "$RESULTS/cuda_graph_probe.txt" || true
 fi
 ls -la "$RESULTS"
 exit $status

@@ -29,7 +29,8 @@ import torch
 from eagle_trt.checkpoints import CheckpointError, cache_dir, load_drafter, load_target
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchTarget
-from eagle_trt.runtime.decoder import generate_autoregressive
+from eagle_trt.runtime.loop import DecodingLoop
+from eagle_trt.runtime.static import StaticEngine
 from eagle_trt.train.__main__ import distilled_features
 from eagle_trt.train.regenerate import FORMAT, PROVENANCE, DistillSet, _target_key, chunk_name, write_chunk
 from eagle_trt.train.ttt import TrainConfig, auto_autocast, evaluate
@@ -47,8 +48,9 @@ def workload_answers(target, workload: str, prompts: int, max_new_tokens: int) -
     if tok.eos_token_id is not None:
         eos.add(tok.eos_token_id)
     items = []
+    plain = DecodingLoop(StaticEngine(target.model, max_batch=1), eos)
     for i, ids in enumerate(build(tok, workload, prompts)):
-        answer = generate_autoregressive(TorchTarget(target.model), ids, max_new_tokens, eos).tokens
+        answer = plain.generate(ids, max_new_tokens).tokens
         items.append((f"{workload}-{i}", ids, answer))
         print(f"  {workload} {i + 1}/{prompts}: {len(answer)} answer tokens", file=sys.stderr, flush=True)
     tmp = folder.with_name(folder.name + ".tmp")
@@ -57,7 +59,7 @@ def workload_answers(target, workload: str, prompts: int, max_new_tokens: int) -
     (tmp / PROVENANCE).write_text(json.dumps({
         "format": FORMAT, "target": _target_key(target),
         "prompts": f"the first {prompts} prompts of the {workload} workload (eagle_trt.workloads): an evaluation set",
-        "decoding": "greedy (eagle_trt generate_autoregressive, PyTorch)",
+        "decoding": "greedy (eagle_trt plain decoding, PyTorch)",
         "settings": {"max_new_tokens": max_new_tokens}}, indent=1))
     tmp.rename(folder)
     return folder
@@ -72,7 +74,7 @@ def target_confidence(target, folder: Path) -> float:
             n = len(sample.ids)
             backend.reset()
             backend.add_sequence()
-            logits, _ = backend.forward(torch.tensor([sample.ids]), torch.arange(n)[None], causal_mask(n, 0))
+            logits = backend.forward(torch.tensor([sample.ids]), torch.arange(n)[None], causal_mask(n, 0)).logits
             answer = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)       # rows predicting answer tokens
             top = logits[0, :-1][answer].float().softmax(-1).max(-1).values
             total, count = total + float(top.sum()), count + int(answer.sum())

@@ -30,13 +30,14 @@ from eagle_trt.config import SamplingConfig, parse_tree
 from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.backend import DrafterBackend
 from eagle_trt.runtime.cost import CostModel
-from eagle_trt.runtime.decoder import Request, Sequence, SpeculativeDecoder
 from eagle_trt.runtime.kv_cache import KVCache
+from eagle_trt.runtime.loop import DecodingLoop, Request, Sequence
 from eagle_trt.runtime.onnxruntime_backend import OrtIteration, OrtTarget
 from eagle_trt.runtime.timing import OrtDecoding, decoding_threads, graph_seconds
+from eagle_trt.runtime.two_call import IterationEngine, TwoCallEngine
 
 
-def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched: SpeculativeDecoder | None = None,
+def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched: DecodingLoop | None = None,
         streams: int = 1, sampling: SamplingConfig | None = None) -> tuple[float, float, int]:
     """(wall seconds, seconds inside graph calls, iterations) of speculative decoding over the
     prompts: one at a time, or `streams` at a time through `batched`; greedy, or sampled with
@@ -58,14 +59,15 @@ def run(ort: OrtDecoding, prompts: list[list[int]], max_new_tokens: int, batched
 
 # (class, method, label): the loop's steps whose host time (wall minus graph time inside) is
 # reported; nested labels are parts of the one above them
-PHASES = [(SpeculativeDecoder, "step", "step (one iteration)"),
-          (SpeculativeDecoder, "_draft", "  drafting: batch the new rows, drafter call"),
+PHASES = [(DecodingLoop, "step", "step (one iteration)"),
+          (TwoCallEngine, "_draft", "  drafting: batch the new rows, drafter call"),
+          (IterationEngine, "_draft", "  drafting in the iteration graph: batch the new rows, the call"),
           (DrafterBackend, "draft", "    drafter backend: stage, bind, outputs, KV commit"),
           (OrtIteration, "run", "    both in one call (iteration graph): stage, bind, outputs, drafter KV commit"),
           (OrtTarget, "verify", "  verification (acceptance in the graph): inputs, bind, outputs"),
           (KVCache, "commit", "  KV commits: accepted rows copied into place (the drafter's inside drafting)"),
           (Sequence, "extend", "  streaming and stop checks"),
-          (SpeculativeDecoder, "add", "joins, outside the step: checks, prefill, first token")]
+          (DecodingLoop, "add", "joins, outside the step: checks, prefill, first token")]
 
 
 @contextmanager
@@ -133,9 +135,8 @@ def main(argv=None) -> int:
                              only=("target", "drafter_tree") + (("iteration",) if args.iteration_graph else ()))
     held_out = 2 * args.streams if args.streams > 1 else 1
     prompts = real_prompt_ids(models, args.prompts + held_out)
-    ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"], shape,
-                           models.target.config.max_position_embeddings, models.eos_ids,
-                           models.target.config.vocab_size, threads=args.threads, iteration_graph=graphs.get("iteration"))
+    ort = OrtDecoding.open(graphs, shape, models.target.config.max_position_embeddings, models.eos_ids,
+                           models.target.config.vocab_size, threads=args.threads)
     if ort.iteration is not None:
         ort.iteration.handoff = ort.iteration.has_handoff and not args.no_handoff
         one_call = ort.iteration.any_nodes
@@ -149,8 +150,8 @@ def main(argv=None) -> int:
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
         model = (CostModel if args.nodes is None else fixed_nodes(args.nodes))(shape.total_tokens,
                                                                               shape.top_k * (shape.depth - 1))
-        batched = SpeculativeDecoder(ort.target, ort.drafter, models.eos_ids, models.target.config.vocab_size,
-                                     model, iteration=ort.iteration)
+        engine = IterationEngine(ort.iteration, model) if ort.iteration else TwoCallEngine(ort.target, ort.drafter, model)
+        batched = DecodingLoop(engine, models.eos_ids, models.target.config.vocab_size)
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams, sampling)
     measured = prompts[held_out:]
     sessions = ort.sessions

@@ -61,7 +61,7 @@ def perplexity(target, samples) -> float:
         ids = torch.tensor(s.ids)
         target.reset()
         target.add_sequence(len(ids))
-        logits, _ = target.forward(ids[None], torch.arange(len(ids))[None], causal_mask(len(ids), 0))
+        logits = target.forward(ids[None], torch.arange(len(ids))[None], causal_mask(len(ids), 0)).logits
         logits = logits[0]
         logp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[1:, None])[:, 0]
         mask = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from eagle_trt.api import prepare_models, real_prompt_ids
     from eagle_trt.config import TreeShape
     from eagle_trt.export import export_drafter_tree, export_target
-    from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, linear_paths,
-                                 quantize_onnx, quantized_copy, save_calibration)
+    from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target,
+                                 calibration_prompts, linear_paths, quantize_onnx, quantized_copy, save_calibration)
     from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-    from eagle_trt.runtime.decoder import SpeculativeDecoder
-    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
-    from eagle_trt.runtime.sessions import FP8_SESSION
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
     from eagle_trt.train.data import DataConfig, load_samples
 
     log = sys.stderr
@@ -140,17 +140,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"graphs exported and quantized in {time.perf_counter() - t0:.1f}s", file=log)
 
     def target_backend(fmt):
-        if fmt == "fp32":
-            return OrtTarget(graphs["target"], max_ctx, args.threads)
-        if fmt == "fp8":
-            return OrtTarget(graphs["target", "fp8"], max_ctx, args.threads, min_rows=2, **FP8_SESSION)
+        if fmt in ("fp32", "fp8"):
+            graph = graphs["target"] if fmt == "fp32" else graphs["target", "fp8"]
+            return open_backends({"target": graph}, None, max_ctx, threads=args.threads, precision={"target": fmt}).target
         return TorchTarget(quantized_copy(target_model, QuantConfig(fmt, skip=skips["target"]), amax["target"])[0])
 
     def drafter_backend(fmt):
-        if fmt == "fp32":
-            return OrtDrafter(graphs["drafter"], shape, args.threads)
-        if fmt == "fp8":
-            return OrtDrafter(graphs["drafter", "fp8"], shape, args.threads, **FP8_SESSION)
+        if fmt in ("fp32", "fp8"):
+            graph = graphs["drafter"] if fmt == "fp32" else graphs["drafter", "fp8"]
+            return open_backends({"drafter_tree": graph}, shape, max_ctx, threads=args.threads,
+                                 precision={"drafter_tree": fmt}).drafter
         return TorchDrafter(quantized_copy(drafter_model, QuantConfig(fmt, skip=skips["drafter"]), amax["drafter"])[0],
                             shape)
 
@@ -168,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         target = targets[t_fmt]
         if t_fmt not in ppl:
             ppl[t_fmt] = perplexity(target, samples)
-        decoder = SpeculativeDecoder(target, drafter_backend(d_fmt), models.eos_ids,
-                                     vocab_size=models.target.config.vocab_size)
+        decoder = DecodingLoop(TwoCallEngine(target, drafter_backend(d_fmt)), models.eos_ids,
+                               models.target.config.vocab_size)
         tokens = calls = 0
         for ids in prompts:
             res = decoder.generate(ids, args.max_new_tokens)

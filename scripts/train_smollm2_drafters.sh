@@ -27,7 +27,7 @@
 #    by chunk (commit them), for GEN_MIN minutes; the held-out set data/distill/smollm2-val once.
 # 2. python -m eagle_trt.train for both variants from the shipped weights (--init-from), cosine
 #    decay over TRAIN_MIN minutes (--schedule budget), anchored TTT and a frozen head (what
-#    scripts/cpu_minute_ablation.sh found to make a CPU minute count), eval on the held-out set.
+#    docs/training.md#what-makes-a-cpu-minute-count found to pay), eval on the held-out set.
 # 3. scripts/ship_drafters.py into eagle_trt/drafters/ (compact log with the lineage), unless the
 #    run ended below the shipped drafter's held-out agreement.
 set -euo pipefail

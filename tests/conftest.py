@@ -2,23 +2,110 @@
 SmolLM2-135M-Instruct target, real MT-bench prompts, and drafters that accept often."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
-from eagle_trt.checkpoints import LoadedTarget, load_target
-from eagle_trt.config import CaptureLayers, DrafterConfig
+from eagle_trt.checkpoints import LoadedTarget, load_target, random_drafter
+from eagle_trt.config import CaptureLayers, DrafterConfig, TreeShape
 from eagle_trt.data import mtbench_prompts
 from eagle_trt.models.drafter import EagleDrafter
 
-# One PyTorch thread per test process: `make test` runs two pytest-xdist workers, one per core
-# (several test modules set one thread at import anyway, which held for the whole session).
+# One PyTorch thread per test process: `make test` runs two pytest-xdist workers, one per core.
+# `_shared_fixtures_unchanged` sets it back after each test (a CLI run in-process sets its --threads).
 torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- shared state
+# Session- and module-wide fixtures are shared by every test that asks for them, in whatever
+# order the tests run (make test's, a reversed one, a worker stealing another's tail). No test
+# changes one: a test that needs a target to capture other layers takes its own model
+# (`capturing`), and `_shared_fixtures_unchanged` fails any test that leaves a shared fixture
+# other than it was made (its capture, mode, weights, dtype or device, its config; a list's
+# items; a folder's files), naming the test and the fixture, and puts the capture back so that
+# the next test starts from the shared state.
+
+def capturing(target: LoadedTarget, capture: CaptureLayers | EagleDrafter) -> LoadedTarget:
+    """`target` with a model of its own that captures `capture` (or the layers `drafter` reads):
+    a shallow copy of the model, so the weights are the shared model's own tensors (nothing is
+    copied) and the shared target keeps its capture. For reading only: `.to(...)` or training
+    on the copy would change the shared weights (take a copy.deepcopy for that)."""
+    if isinstance(capture, EagleDrafter):
+        capture = capture.cfg.capture_for(target.config)
+    model = copy.copy(target.model)
+    model.set_capture(capture)
+    return dataclasses.replace(target, model=model)
+
+
+def _module_state(m: torch.nn.Module):
+    """What a test could change in a model: each tensor (its storage, dtype, device, shape and
+    in-place version: an optimizer step or a .to() moves one), train / eval mode, hooks, config."""
+    tensors = [*m.named_parameters(), *m.named_buffers()]
+    return ([(n, t.data_ptr(), t.dtype, t.device, tuple(t.shape), t._version) for n, t in tensors],
+            [(sub.training, len(sub._forward_hooks), len(sub._forward_pre_hooks)) for sub in m.modules()],
+            copy.deepcopy(getattr(m, "cfg", None)))
+
+
+def _target_state(target: LoadedTarget):
+    m = target.model
+    return m.capture, tuple(m.capture_streams), copy.deepcopy(target.config), _module_state(m)
+
+
+def _restore_target(target: LoadedTarget, state) -> None:
+    target.model.set_capture(state[0])
+
+
+def _folder_state(folder: Path):
+    return sorted((str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns)
+                  for f in folder.rglob("*") if f.is_file())
+
+
+# name -> (the shared object, its state now, its state when made, how to put it back)
+_SHARED: dict[str, tuple[object, Callable, object, Callable | None]] = {}
+
+
+def share(request, value, name: str | None = None):
+    """Register `value`, handed out by fixture `request`, as shared: each test must leave it in
+    the state it has now (a LoadedTarget's capture, config and model; a model's; a folder's
+    files; a deep copy of anything else). `name` tells several values of one fixture apart.
+    Returns value."""
+    restore = None
+    if isinstance(value, LoadedTarget):
+        state, restore = _target_state, _restore_target
+    elif isinstance(value, torch.nn.Module):
+        state = _module_state
+    elif isinstance(value, Path):
+        state = _folder_state
+    else:
+        state = copy.deepcopy
+    name = name or request.fixturename + (f"[{request.param}]" if hasattr(request, "param") else "")
+    _SHARED[name] = (value, state, state(value), restore)
+    request.addfinalizer(lambda: _SHARED.pop(name, None))
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)        # a CLI run in-process sets its --threads
+    changed = []
+    for name, (value, state, before, restore) in list(_SHARED.items()):
+        if state(value) != before:
+            changed.append(name)
+            if restore is not None:
+                restore(value, before)
+            _SHARED[name] = (value, state, state(value), restore)     # only this test fails
+    if changed:
+        pytest.fail(f"{request.node.nodeid} changed the shared fixture(s) {', '.join(changed)}: a later test would "
+                    f"see it changed (take a copy, e.g. conftest.capturing)", pytrace=False)
 
 
 # Test order for `make test`'s two pytest-xdist workers. --dist worksteal hands the first half
@@ -35,6 +122,12 @@ SECOND_HALF_HEAVY = ("test_triton_serving.py", "test_quant_smollm2.py", "test_ev
 QUICK_LAST = ("test_tree.py", "test_build_config.py", "test_verify.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the tests in the reverse of make test's order (modules and the tests inside each): "
+                          "a test that passes only after another one has run fails")
+
+
 @pytest.hookimpl(trylast=True)      # after -m deselection: the halves are of the tests that run
 def pytest_collection_modifyitems(session, config, items):
     def module(item) -> str:
@@ -45,6 +138,8 @@ def pytest_collection_modifyitems(session, config, items):
     quick += [i for name in QUICK_LAST for i in items if module(i) == name]
     k = max(0, len(items) // 2 - len(first))
     items[:] = first + quick[:k] + second + quick[k:]
+    if config.getoption("--reverse-order"):
+        items.reverse()
 
 
 # Serving tests need tritonclient and the tritonserver bundled in nvidia-pytriton, both in the
@@ -114,18 +209,95 @@ def write_tiny_hf_target(folder: Path, *, vocab: int = 96, hidden: int = 64, lay
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory) -> Path:
-    return write_tiny_hf_target(tmp_path_factory.mktemp("tiny_target"))
+def tiny_target_dir(request, tmp_path_factory) -> Path:
+    return share(request, write_tiny_hf_target(tmp_path_factory.mktemp("tiny_target")))
 
 
 @pytest.fixture(scope="session")
-def tiny_target(tiny_target_dir) -> LoadedTarget:
-    return load_target(tiny_target_dir)
+def tiny_target(request, tiny_target_dir) -> LoadedTarget:
+    return share(request, load_target(tiny_target_dir))
+
+
+def random_prompts(vocab: int, lengths, seed: int = 7) -> list[list[int]]:
+    """Prompts of random ids in [3, vocab) (0-2 are the tiny targets' special ids), one generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# Mixed prompt lengths for batched decoding: one-token prompts, long and short ones side by side;
+# and max_new_tokens for each, so that sequences leave a batch at different iterations.
+PROMPT_LENGTHS = (5, 31, 12, 1, 47, 9, 20, 3, 16, 26)
+LIMITS = (40, 25, 33, 40, 17, 40, 8, 29, 40, 36)
+TINY_SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)       # the tiny graphs' tree
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedTarget:
-    return load_target("smollm2")
+def tiny_drafter(request, tiny_target) -> EagleDrafter:
+    """A random EAGLE 3.1 drafter for the tiny target (48 draft ids), the one its ONNX tests export."""
+    return share(request, random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48))
+
+
+@pytest.fixture(scope="session")
+def tiny_graphs(request, tiny_target, tiny_drafter, tmp_path_factory):
+    """(target, drafter, graphs, prompts): the tiny target captured for `tiny_drafter`, the
+    drafter, their target and drafter-tree graphs (TINY_SHAPE), and 10 prompts of PROMPT_LENGTHS:
+    what the batching, binding and iteration-graph tests decode."""
+    from eagle_trt.export import export_drafter_tree, export_target
+    target = capturing(tiny_target, tiny_drafter)
+    folder = tmp_path_factory.mktemp("tiny_graphs")
+    graphs = {"target": export_target(target.model, folder / "target.onnx").path,
+              "drafter_tree": export_drafter_tree(tiny_drafter, TINY_SHAPE, folder / "drafter_tree.onnx").path}
+    prompts = random_prompts(tiny_target.config.vocab_size, PROMPT_LENGTHS)
+    for name, value in (("target", target), ("folder", folder), ("prompts", prompts)):
+        share(request, value, f"tiny_graphs {name}")
+    return target, tiny_drafter, graphs, prompts
+
+
+@pytest.fixture(scope="session")
+def tiny_iteration_graph(tiny_graphs, tmp_path_factory) -> Path:
+    """tiny_graphs' two graphs composed into one (export/iteration.py)."""
+    from eagle_trt.export.iteration import compose_iteration
+    _, _, graphs, _ = tiny_graphs
+    return compose_iteration(graphs["target"], graphs["drafter_tree"],
+                             tmp_path_factory.mktemp("tiny_iteration") / "iteration.onnx").path
+
+
+def two_call(target, drafter=None, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the two-call engine over these backends (drafter None: plain decoding);
+    engine: TwoCallEngine's cost_model / trim."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.two_call import TwoCallEngine
+    return DecodingLoop(TwoCallEngine(target, drafter, **engine), eos, vocab_size)
+
+
+def on_graph(iteration, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the iteration-graph engine over an OrtIteration (its two backends)."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.two_call import IterationEngine
+    return DecodingLoop(IterationEngine(iteration, **engine), eos, vocab_size)
+
+
+def static(model, drafter=None, shape=None, eos=(), vocab_size=None, **engine):
+    """A decoding loop on the PyTorch engine (runtime/static.py) over these models."""
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.static import StaticEngine
+    return DecodingLoop(StaticEngine(model, drafter, shape, **engine), eos, vocab_size)
+
+
+def tiny_backends(tiny_graphs, backend: str):
+    """A fresh (target, drafter) backend pair over tiny_graphs: "torch" or "onnxruntime"."""
+    from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
+    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    target, drafter, graphs, _ = tiny_graphs
+    if backend == "torch":
+        return TorchTarget(target.model), TorchDrafter(drafter, TINY_SHAPE)
+    return (OrtTarget(graphs["target"], target.config.max_position_embeddings),
+            OrtDrafter(graphs["drafter_tree"], TINY_SHAPE))
+
+
+@pytest.fixture(scope="session")
+def smollm2(request) -> LoadedTarget:
+    return share(request, load_target("smollm2"))
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +306,7 @@ def smollm2_tokenizer(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smollm2_onnx_dir(smollm2, smollm2_tokenizer) -> Path:
+def smollm2_onnx_dir(request, smollm2, smollm2_tokenizer) -> Path:
     """SmolLM2's target graph, captured at the EAGLE default layers (those of every drafter the
     tests use, the shipped ones included), and the greedy accept graph: exported once for every
     test that runs SmolLM2 on ONNX Runtime, in export_pipeline's layout. Read it in place, or
@@ -142,18 +314,15 @@ def smollm2_onnx_dir(smollm2, smollm2_tokenizer) -> Path:
     the cache, exported under a lock: the second test worker (and the next run) finds it
     current instead of exporting again."""
     from eagle_trt.api import Models
-    from eagle_trt.checkpoints import cache_dir, cache_lock, random_drafter
+    from eagle_trt.checkpoints import cache_dir, cache_lock
     from eagle_trt.config import TreeShape
     from eagle_trt.export import export_pipeline
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=64)
-    before = smollm2.model.capture
-    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
     folder = cache_dir() / "test-graphs" / "smollm2"
     with cache_lock(folder):
-        export_pipeline(Models(smollm2, drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4), folder, log=None,
-                        only=("target",))
-    smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
-    return folder
+        export_pipeline(Models(capturing(smollm2, drafter), drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4),
+                        folder, log=None, only=("target",))
+    return share(request, folder)
 
 
 def onnx_dir_copy(shared: Path, dst: Path) -> Path:
@@ -171,8 +340,8 @@ def onnx_dir_copy(shared: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def mtbench() -> list[str]:
-    return mtbench_prompts()
+def mtbench(request) -> list[str]:
+    return share(request, mtbench_prompts())
 
 
 # Greedy losslessness is checked on this many real prompts and new tokens.
@@ -181,16 +350,16 @@ SOLO_PROMPTS = 8      # of them decoded one at a time where a batched pass decod
 
 
 @pytest.fixture(scope="session")
-def mtbench_ids(smollm2_tokenizer, mtbench) -> list[list[int]]:
+def mtbench_ids(request, smollm2_tokenizer, mtbench) -> list[list[int]]:
     out = []
     for text in mtbench[:NUM_PROMPTS]:
         ids = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return share(request, out)
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(smollm2, mtbench_ids) -> list[list[int]]:
+def hf_greedy(request, smollm2, mtbench_ids) -> list[list[int]]:
     """transformers' own greedy continuations of the prompts. Computed once per cache (about 2
     minutes): both test workers need it, so the first computes it under a lock and the other
     reads the file, keyed by everything that decides the tokens (library versions, the
@@ -206,7 +375,7 @@ def hf_greedy(smollm2, mtbench_ids) -> list[list[int]]:
     path = cache_dir() / "test-references" / f"hf-greedy-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     with cache_lock(path):
         if path.is_file():
-            return json.loads(path.read_text())
+            return share(request, json.loads(path.read_text()))
         hf = LlamaForCausalLM.from_pretrained(str(smollm2.folder), dtype=torch.float32).eval()
         refs = []
         with torch.no_grad():
@@ -217,7 +386,7 @@ def hf_greedy(smollm2, mtbench_ids) -> list[list[int]]:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(refs))
         os.replace(tmp, path)
-    return refs
+    return share(request, refs)
 
 
 def oracle_drafter(target: LoadedTarget, variant: str, noise: float = 0.02, seed: int = 0,
@@ -273,6 +442,29 @@ def frozen_trim(per_row: float, fixed: float = 0.01, rate: float = 100.0):
     return trim
 
 
+def seeded_cost_model(per_row: float, fixed: float, accepted: list[float]):
+    """A CostModel past its warm-up whose timings are `fixed + per_row * rows` a target call
+    (1 to 40 rows), with drafter timings and acceptance (`accepted[n]`: tokens a step with n
+    nodes) given."""
+    from eagle_trt.runtime.cost import CostModel
+    m = CostModel(nodes=len(accepted) - 1, draft_rows_per_seq=6, warmup=1)
+    for rows in range(1, 41):
+        m.time_target(rows, fixed + per_row * rows)
+    for batch in (1, 8):
+        m.time_iteration(batch, 0, fixed + per_row * batch)
+    m.time_draft(1, 1, 0.005)
+    m.time_draft(8, 2, 0.008)
+    m.gains = [0.0] + [b - a for a, b in zip(accepted, accepted[1:])]
+    m.observed, m.full_trees = [1.0] * len(accepted), 1
+    return m
+
+
+def rel_l2(a, b) -> float:
+    """|a - b| / |b| (L2 norms, in float32)."""
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return float((a - b).norm() / b.norm())
+
+
 def write_json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))
     return path
@@ -321,16 +513,21 @@ class PlantedDrafter:
         for i, slot in enumerate(slots):
             prompt_len, continuation = self.slots[slot]
             generated = self.inner.lengths[slot] - (prompt_len - 1)     # tokens committed after the prompt
-            parents = trees.parents[i].tolist()
-            node, depth = 0, 0
-            while depth < plant_depth[i]:
-                children = [c for c, p in enumerate(parents) if p == node]
-                if not children or generated + depth >= len(continuation):
-                    break
-                node = self.rng.choice(children[:2])          # the best child, or its first sibling
-                tokens[i, node - 1] = continuation[generated + depth]
-                depth += 1
+            plant_path(tokens[i], trees.parents[i].tolist(), continuation[generated:], plant_depth[i], self.rng)
         return dataclasses.replace(trees, tokens=tokens)
+
+
+def plant_path(tokens, parents: list[int], continuation: list[int], depth: int, rng) -> None:
+    """Overwrite one root-to-leaf path of a tree (its node tokens `tokens`, the root left out,
+    and `parents`) with `continuation`, up to `depth` nodes: each step to the best child or its
+    first sibling, as `rng` picks (PlantedDrafter, test_static's PlantedStatic)."""
+    node = 0
+    for d in range(min(depth, len(continuation))):
+        children = [c for c, p in enumerate(parents) if p == node]
+        if not children:
+            break
+        node = rng.choice(children[:2])
+        tokens[node - 1] = continuation[d]
 
 
 def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos,
@@ -341,12 +538,12 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
     continuously batched decoder with at most `batch` sequences at a time, and the one-at-a-time
     pass takes only the first SOLO_PROMPTS (the batched pass checks every prompt's tokens; a
     batch of 1 is the same code, so more solo prompts prove nothing new and cost minutes)."""
-    from eagle_trt.runtime.decoder import Request, SpeculativeDecoder
+    from eagle_trt.runtime.loop import Request
     accepted = []
     solo = prompts[:SOLO_PROMPTS] if batch else prompts
     for i, (ids, ref) in enumerate(zip(solo, references)):
         planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
-        res = SpeculativeDecoder(target, planted, eos).generate(ids, NEW_TOKENS)
+        res = two_call(target, planted, eos).generate(ids, NEW_TOKENS)
         assert res.tokens == ref, f"prompt {i}: speculative output diverges from transformers' greedy output"
         assert res.target_calls == 1 + res.drafter_calls
         accepted += res.accept_lengths
@@ -356,7 +553,7 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
             planted.expect(len(ids), ref)
         # Mixed max_new_tokens: sequences leave at different iterations and others take their slots.
         limits = [NEW_TOKENS - 9 * (i % 3) for i in range(len(prompts))]
-        results = SpeculativeDecoder(target, planted, eos).generate_batch(
+        results = two_call(target, planted, eos).generate_batch(
             [Request(ids, n) for ids, n in zip(prompts, limits)], max_batch=batch)
         for i, (res, ref, n) in enumerate(zip(results, references, limits)):
             assert res.tokens == ref[:n], f"prompt {i} in a batch of {batch}: output diverges from transformers"

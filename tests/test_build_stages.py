@@ -24,7 +24,6 @@ from eagle_trt.build.store import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-torch.set_num_threads(1)
 
 
 def statuses(manifest) -> dict[str, str]:
@@ -337,15 +336,14 @@ def test_stage_list_is_checked(tiny, tmp_path):
     assert STAGES[0] == "validate" and dataclasses.is_dataclass(config_from_dict({}))
 
 
-def test_decoder_streams_exactly_the_final_tokens_and_stops_when_told(tiny):
-    """SpeculativeDecoder.generate(on_tokens=...), which the Triton model streams through, on the
+def test_the_loop_streams_exactly_the_final_tokens_and_stops_when_told(tiny):
+    """DecodingLoop.generate(on_tokens=...), which the Triton model streams through, on the
     built graphs: the streamed pieces concatenate to the result, and returning False stops."""
-    from eagle_trt.runtime.decoder import SpeculativeDecoder
-    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
     cfg = config_from_dict(tiny["data"])
-    target = OrtTarget(tiny["out"] / "export/target.onnx", 512, threads=1)
-    drafter = OrtDrafter(tiny["out"] / "export/drafter_tree.onnx", cfg.tree.shape, threads=1)
-    decoder = SpeculativeDecoder(target, drafter, [])
+    graphs = {g: tiny["out"] / f"export/{g}.onnx" for g in ("target", "drafter_tree")}
+    decoder = DecodingLoop(open_backends(graphs, cfg.tree.shape, 512, threads=1).engine(), [])
     pieces = []
     result = decoder.generate(list(range(4, 20)), 24, on_tokens=pieces.append)
     assert [t for p in pieces for t in p] == result.tokens and len(result.tokens) == 24 and len(pieces) > 1

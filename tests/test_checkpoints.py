@@ -18,7 +18,7 @@ from eagle_trt.checkpoints import CheckpointError, load_drafter, load_target, ra
 from eagle_trt.config import CaptureLayers, ConfigError, DrafterConfig
 from eagle_trt.models.target import causal_mask
 
-from conftest import write_json, write_tiny_hf_target
+from conftest import capturing, share, write_json, write_tiny_hf_target
 
 L = 8            # layers of the module's target: EAGLE default (2, 4, 5) has no repeats
 HID, VOCAB = 64, 96
@@ -31,14 +31,12 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target(target_dir):
-    return load_target(target_dir)
+def target(request, target_dir):
+    return share(request, load_target(target_dir))
 
 
 def target_logits_and_captured(loaded, ids, capture=None):
-    m = loaded.model
-    if capture is not None:
-        m.set_capture(capture)
+    m = (loaded if capture is None else capturing(loaded, capture)).model
     T = ids.shape[1]
     pk, pv = m.empty_past(ids.shape[0])
     with torch.no_grad():
@@ -80,13 +78,10 @@ def test_captured_layers_pinned_to_transformers(target, target_dir):
     """input of layer i (ids 2, L//2, L-3) == output of layer i-1 (ids 1, L//2-1, L-4) ==
     HF hidden_states[2], [L//2], [L-3] (HF's hidden_states[i] is the input of layer i)."""
     ids = ids_for(seed=1)
-    try:
-        _, cap_in = target_logits_and_captured(target, ids, CaptureLayers((2, L // 2, L - 3), "layer_input"))
-        _, cap_out = target_logits_and_captured(target, ids, CaptureLayers((1, L // 2 - 1, L - 4), "layer_output"))
-        _, cap_default = target_logits_and_captured(target, ids, CaptureLayers.eagle_default(L))
-        _, cap_shift = target_logits_and_captured(target, ids, CaptureLayers((2, L // 2, L - 3), "layer_output"))
-    finally:
-        target.model.set_capture(CaptureLayers.eagle_default(L))
+    _, cap_in = target_logits_and_captured(target, ids, CaptureLayers((2, L // 2, L - 3), "layer_input"))
+    _, cap_out = target_logits_and_captured(target, ids, CaptureLayers((1, L // 2 - 1, L - 4), "layer_output"))
+    _, cap_default = target_logits_and_captured(target, ids, CaptureLayers.eagle_default(L))
+    _, cap_shift = target_logits_and_captured(target, ids, CaptureLayers((2, L // 2, L - 3), "layer_output"))
     with torch.no_grad():
         hs = hf_model(target_dir)(ids, output_hidden_states=True).hidden_states
     assert len(hs) == L + 1

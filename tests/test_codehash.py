@@ -13,6 +13,8 @@ import eagle_trt
 from eagle_trt.build.pipeline import STAGE_CODE
 from eagle_trt.codehash import code_digest, module_closure
 
+from conftest import capturing
+
 PACKAGE = Path(eagle_trt.__file__).parent
 EXPORTER = "eagle_trt.export.onnx_export"
 
@@ -34,7 +36,7 @@ def test_the_exporters_closure_is_what_it_imports():
     closure = module_closure(EXPORTER)
     assert {"eagle_trt.models.target", "eagle_trt.models.drafter", "eagle_trt.tree", "eagle_trt.verify",
             "eagle_trt.export.graphs", "eagle_trt.export.weights", "eagle_trt.config"} <= set(closure)
-    assert not {"eagle_trt.bench", "eagle_trt.runtime.decoder", "eagle_trt.build.pipeline", "eagle_trt.checkpoints",
+    assert not {"eagle_trt.bench", "eagle_trt.runtime.loop", "eagle_trt.build.pipeline", "eagle_trt.checkpoints",
                 "eagle_trt.quant.fakequant"} & set(closure)
     with pytest.raises(ValueError, match="no module"):
         module_closure("eagle_trt.no_such_module")
@@ -77,22 +79,20 @@ def test_the_export_stages_key_follows_only_the_code_it_runs(tmp_path, rel, old,
     assert {name: after[name] != before[name] for name in before} == {name: changes for name in before}
 
 
-def test_export_pipeline_exports_again_when_its_code_changes(tiny_target, tmp_path, monkeypatch):
+def test_export_pipeline_exports_again_when_its_code_changes(tiny_target, tiny_drafter, tmp_path, monkeypatch):
     """export_pipeline's graphs (the tests' shared SmolLM2 graphs, bench's) with the key taken
     from a copy of the package: unchanged code reuses them, a changed constant in the target
     model re-exports both graphs."""
     from eagle_trt.api import Models
-    from eagle_trt.checkpoints import random_drafter
     from eagle_trt.config import TreeShape
     import eagle_trt.export as export
     root = package_copy(tmp_path / "src")
     monkeypatch.setattr(export, "code_digest", lambda *modules: code_digest(*modules, root=root))
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    target = capturing(tiny_target, tiny_drafter)
     out = tmp_path / "graphs"
 
     def export_times():
-        paths = export.export_pipeline(Models(tiny_target, drafter, "drafters/mine", None), TreeShape(2, 2, 3), out,
+        paths = export.export_pipeline(Models(target, tiny_drafter, "drafters/mine", None), TreeShape(2, 2, 3), out,
                                        log=None)
         return {name: p.stat().st_mtime_ns for name, p in paths.items()}
     first = export_times()

@@ -12,8 +12,9 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import export_pipeline
 from eagle_trt.export.cpu_int8 import fold_weight_aliases
 from eagle_trt.runtime.backend import TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+
+from conftest import capturing, on_graph, two_call
 
 SHAPE = TreeShape(depth=3, top_k=2, total_tokens=5)
 
@@ -23,10 +24,9 @@ def _weight_matmuls(model: onnx.ModelProto) -> int:
     return sum(n.op_type == "MatMul" and n.input[1] in initializers for n in model.graph.node)
 
 
-def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target, tmp_path):
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
-    models = Models(tiny_target, drafter, "drafters/mine", None)
+def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target, tiny_drafter, tmp_path):
+    captured = capturing(tiny_target, tiny_drafter)
+    models = Models(captured, tiny_drafter, "drafters/mine", None)
     paths = export_pipeline(models, SHAPE, tmp_path, log=None, only=("target", "drafter_tree_int8"))
     assert set(paths) == {"target", "drafter_tree", "drafter_tree_int8"}
 
@@ -47,8 +47,8 @@ def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target
     for seed in range(3):
         prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = generate_autoregressive(TorchTarget(tiny_target.model), prompt, 30, [])
-        out = SpeculativeDecoder(target, ort_int8, []).generate(prompt, 30)
+        ref = two_call(TorchTarget(captured.model)).generate(prompt, 30)
+        out = two_call(target, ort_int8).generate(prompt, 30)
         assert out.tokens == ref.tokens
         accepted += out.accept_lengths
     assert max(accepted) >= 2, "no int8 draft was ever accepted: the check would be vacuous"
@@ -56,14 +56,15 @@ def test_int8_drafter_graph_quantizes_every_level_and_stays_lossless(tiny_target
     stamps = {n: p.stat().st_mtime_ns for n, p in paths.items()}
     export_pipeline(models, SHAPE, tmp_path, log=None, only=("drafter_tree_int8",))
     assert paths["drafter_tree_int8"].stat().st_mtime_ns == stamps["drafter_tree_int8"]     # current: kept
-    retrained = Models(tiny_target, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
+    retrained = Models(captured, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
                        "drafters/mine", None)
     export_pipeline(retrained, SHAPE, tmp_path, log=None, only=("drafter_tree_int8",))
     assert paths["drafter_tree_int8"].stat().st_mtime_ns != stamps["drafter_tree_int8"]
     assert paths["target"].stat().st_mtime_ns == stamps["target"]
 
 
-def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_target, tmp_path, monkeypatch):
+def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_target, tiny_drafter, tmp_path,
+                                                                        monkeypatch):
     """export_pipeline's `iteration_int8`: the int8 drafter graph composed with a target graph
     from another folder (as bench keeps them), whose weights lie in a data file: that file is
     hard-linked beside the iteration graph, not copied, and the graph's own data file holds only
@@ -74,9 +75,8 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     from eagle_trt.export.graph_files import graph_files
     from eagle_trt.runtime.onnxruntime_backend import OrtIteration
     monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")          # every graph with a data file
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
-    models = Models(tiny_target, drafter, "drafters/mine", None)
+    captured = capturing(tiny_target, tiny_drafter)
+    models = Models(captured, tiny_drafter, "drafters/mine", None)
     target_graph = export_pipeline(models, SHAPE, tmp_path / "target", log=None, only=("target",))["target"]
     trees = tmp_path / "trees"
     paths = export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
@@ -96,8 +96,8 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     for seed in range(3):
         prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = generate_autoregressive(TorchTarget(tiny_target.model), prompt, 30, [])
-        out = SpeculativeDecoder(target, ort_int8, [], iteration=iteration).generate(prompt, 30)
+        ref = two_call(TorchTarget(captured.model)).generate(prompt, 30)
+        out = on_graph(iteration).generate(prompt, 30)
         assert out.tokens == ref.tokens
         accepted += out.accept_lengths
     assert max(accepted) >= 2 and iteration.graph_calls > 0
@@ -107,11 +107,11 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     before = stamp()
     export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert stamp() == before                                                        # current: kept
-    export_target(tiny_target.model, target_graph)                                  # the target graph anew
+    export_target(captured.model, target_graph)                                  # the target graph anew
     export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert stamp() != before
     before = stamp()
-    retrained = Models(tiny_target, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
+    retrained = Models(captured, random_drafter(tiny_target, "eagle3.1", seed=5, draft_vocab_size=48),
                        "drafters/mine", None)
     export_pipeline(retrained, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert stamp() != before

@@ -11,9 +11,8 @@ from eagle_trt.checkpoints import load_target, random_drafter
 from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.devices import resolve_device, resolve_dtype
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 
-from conftest import write_tiny_hf_target
+from conftest import share, two_call, write_tiny_hf_target
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="PyTorch sees no CUDA device on this machine")
@@ -59,27 +58,30 @@ def test_every_cli_refuses_cuda_without_a_gpu_in_one_line(cli, tmp_path, capsys)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(request, tmp_path_factory):
     target = load_target(write_tiny_hf_target(tmp_path_factory.mktemp("dev"), family="qwen3", extra=dict(head_dim=16),
                                               layers=4, std=0.25, vocab=128))
     drafter = random_drafter(target, "eagle3.1", seed=1, draft_vocab_size=64)
     target.model.set_capture(drafter.cfg.capture_for(target.config))
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 33)]
+    share(request, target, "tiny target")
+    share(request, drafter, "tiny drafter")
     return target, drafter, prompts
 
 
 @needs_cuda
 def test_cuda_speculative_greedy_equals_cuda_autoregressive_and_the_cpu(tiny):
-    """On CUDA in float32 the speculative loop is token-identical to plain decoding on CUDA and
-    to the CPU run; every tensor of the loop stays on the GPU (the models are moved, not copied)."""
+    """On CUDA in float32 the two-call loop over the PyTorch reference backends is token-identical
+    to plain decoding on CUDA and to the CPU run; every tensor of the loop stays on the GPU (the
+    models are moved, not copied)."""
     import copy
     target, drafter, prompts = tiny
-    cpu = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, SHAPE), ())
+    cpu = two_call(TorchTarget(target.model), TorchDrafter(drafter, SHAPE))
     model, d = copy.deepcopy(target.model).cuda(), copy.deepcopy(drafter).cuda()
     d.embed_tokens.weight = model.embed_tokens.weight
-    gpu = SpeculativeDecoder(TorchTarget(model), TorchDrafter(d, SHAPE), ())
+    gpu = two_call(TorchTarget(model), TorchDrafter(d, SHAPE))
     for ids in prompts:
-        ref = generate_autoregressive(TorchTarget(model), ids, 40, ()).tokens
+        ref = two_call(TorchTarget(model)).generate(ids, 40).tokens
         assert gpu.generate(ids, 40).tokens == ref == cpu.generate(ids, 40).tokens
 
 

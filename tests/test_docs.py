@@ -8,11 +8,15 @@
   subprocess (runpy), so this stays fast.
 - Every ```yaml block is a valid build config, and the reference block in docs/build.md equals
   the built-in defaults.
+- The code map in docs/architecture.md names every module of the package, read from the file
+  system when the test runs (so a module added, moved or removed fails it until the map
+  follows), and no module that no longer exists.
 
 The helpers are tested on planted mistakes too, so a broken link or a misspelled module fails.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -24,6 +28,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+PACKAGE = REPO / "eagle_trt"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -174,6 +180,40 @@ def help_failures(results: dict[str, dict], wanted: dict[str, set[str]]) -> list
     return bad
 
 
+def only_reexports(path: Path) -> bool:
+    """An `__init__.py` with no code of its own: nothing but a docstring, imports and `__all__`."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return all(isinstance(node, (ast.Import, ast.ImportFrom))
+               or (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"])
+               for node in body)
+
+
+def package_modules(package: Path = PACKAGE) -> set[str]:
+    """Every .py module under the package, by its path there (`runtime/loop.py`), as the file
+    system has them now. Left out: `__init__.py` files with no code of their own (empty, or only a
+    docstring, imports and `__all__`): a package's re-exports are its modules' names, not a module."""
+    return {path.relative_to(package).as_posix() for path in package.rglob("*.py")
+            if "__pycache__" not in path.parts and not (path.name == "__init__.py" and only_reexports(path))}
+
+
+def code_map_entries(text: str) -> list[str]:
+    """The modules the `## Code map` section lists: each item starting with a module's path in
+    backticks, as in "- `runtime/loop.py`: ..." (an `eagle_trt/` prefix is allowed)."""
+    section = re.search(r"^## Code map[ \t]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert section, "docs/architecture.md has no '## Code map' section"
+    return [p.removeprefix("eagle_trt/") for p in re.findall(r"^[-*] `([\w./]+\.py)`", section.group(1), re.M)]
+
+
+def code_map_problems(entries: list[str], modules: set[str], package: Path = PACKAGE) -> list[str]:
+    """The modules the map does not name, the entries whose file is gone, and entries given twice."""
+    problems = [f"not in the code map: {m}" for m in sorted(modules - set(entries))]
+    problems += [f"in the code map but not in {package.name}/: {e}" for e in entries if not (package / e).is_file()]
+    problems += [f"in the code map twice: {e}" for e in sorted({e for e in entries if entries.count(e) > 1})]
+    return problems
+
+
 # ---------------------------------------------------------------------------------------- the checks
 
 def test_docs_exist_and_readme_is_a_front_page():
@@ -208,6 +248,13 @@ def test_yaml_blocks_are_valid_build_configs_and_the_reference_is_the_default():
         "the config reference in docs/build.md differs from the defaults in eagle_trt/build/config.py"
 
 
+def test_the_code_map_names_every_module():
+    modules = package_modules()
+    assert "runtime/kv_cache.py" in modules and "__init__.py" not in modules, sorted(modules)
+    problems = code_map_problems(code_map_entries(ARCHITECTURE.read_text()), modules)
+    assert not problems, "docs/architecture.md's code map and eagle_trt/ differ:\n" + "\n".join(problems)
+
+
 # ------------------------------------------------------------------------- the checks can fail
 
 def test_a_broken_link_or_anchor_is_caught():
@@ -230,3 +277,22 @@ def test_commands_are_split_per_tool_and_continued_lines_joined():
             "curl -X POST --data 1\n```\nSee `python -m d --u\n--t` and `--alone`.\n")
     assert commands(text) == ["python -m a.b --x 1 --y 2", "python -m c --w", "python scripts/s.py --v",
                               "python -m d --u --t"]
+
+
+def test_a_module_missing_from_the_code_map_or_a_stale_entry_is_caught(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text('"""Has code."""\nSETTING = 1\n')
+    (package / "sub" / "__init__.py").write_text('"""Re-exports."""\nfrom .b import f\n__all__ = ["f"]\n')
+    (package / "a.py").write_text("")
+    (package / "sub" / "b.py").write_text("def f():\n    pass\n")
+    modules = package_modules(package)
+    assert modules == {"__init__.py", "a.py", "sub/b.py"}, modules
+    text = ("# Title\n\n- `a.py`: not the map\n\n## Code map\n\nIntro naming `sub/b.py` in passing.\n"
+            "- `eagle_trt/a.py`: a\n- `gone.py`: removed since\n* `a.py`: again\n- `sub/__init__.py`: allowed\n"
+            "\n## Next\n- `sub/b.py`: after the map\n")
+    entries = code_map_entries(text)
+    assert entries == ["a.py", "gone.py", "a.py", "sub/__init__.py"], entries
+    assert code_map_problems(entries, modules, package) == [
+        "not in the code map: __init__.py", "not in the code map: sub/b.py",
+        "in the code map but not in pkg/: gone.py", "in the code map twice: a.py"]

@@ -18,18 +18,17 @@ from eagle_trt.api import load_pipeline, ort_cuda_available
 from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
-from eagle_trt.graph_names import kv_heads_and_dim
 from eagle_trt.export.iteration import compose_iteration
 from eagle_trt.export.opcheck import find_problems
+from eagle_trt.graph_names import kv_heads_and_dim
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
-from eagle_trt.runtime.sessions import SPIN_MODES, make_session
 from eagle_trt.runtime.ort_binding import Binding, bind_past
+from eagle_trt.runtime.sessions import SPIN_MODES, make_session
 from eagle_trt.tree import DraftTree
 
-from conftest import PlantedDrafter
+from conftest import PlantedDrafter, capturing, two_call
 
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 
@@ -38,12 +37,12 @@ SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 def exported(request, tiny_target, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"graphs_{request.param}")
     drafter = random_drafter(tiny_target, request.param, seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
-    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+    target = capturing(tiny_target, drafter)
+    graphs = {"target": export_target(target.model, folder / "target.onnx").path,
               "drafter_tree": export_drafter_tree(drafter, SHAPE, folder / "drafter_tree.onnx").path,
               "drafter_step_first": export_drafter_step(drafter, folder / "step_first.onnx", True).path,
               "drafter_step": export_drafter_step(drafter, folder / "step.onnx", False).path}
-    return tiny_target, drafter, graphs
+    return target, drafter, graphs
 
 
 def test_graphs_match_pytorch_through_polygraphy(exported, tmp_path):
@@ -115,7 +114,7 @@ def test_parity_catches_a_wrong_acceptance_exported_into_the_graph(exported, tmp
 
 
 @pytest.mark.parametrize("acceptance", ["host", "graph"])
-def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance):
+def test_onnxruntime_backends_decode_what_the_torch_reference_decodes(exported, acceptance):
     """Greedy acceptance on the host (torch) or inside the target graph: the same tokens."""
     target, drafter, graphs = exported
     ort_target = OrtTarget(graphs["target"], target.config.max_position_embeddings)
@@ -125,24 +124,27 @@ def test_onnxruntime_decoder_equals_torch_decoder(exported, acceptance):
     for seed in range(4):
         prompt = torch.randint(3, target.config.vocab_size, (9 + 11 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = generate_autoregressive(TorchTarget(target.model), prompt, 40, [])
-        torch_tree = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, SHAPE), []).generate(prompt, 40)
+        ref = two_call(TorchTarget(target.model)).generate(prompt, 40)
+        torch_tree = two_call(TorchTarget(target.model), TorchDrafter(drafter, SHAPE)).generate(prompt, 40)
         planted = PlantedDrafter(ort_drafter, len(prompt), ref.tokens, seed=seed)
-        ort = SpeculativeDecoder(ort_target, planted, []).generate(prompt, 40)
+        ort = two_call(ort_target, planted).generate(prompt, 40)
         assert ort.tokens == ref.tokens == torch_tree.tokens
         assert max(ort.accept_lengths) >= 3     # the planted paths were accepted: compaction ran
-        assert generate_autoregressive(ort_target, prompt, 40, []).tokens == ref.tokens
-        unplanted = SpeculativeDecoder(ort_target, ort_drafter, []).generate(prompt, 40)
+        assert two_call(ort_target).generate(prompt, 40).tokens == ref.tokens
+        unplanted = two_call(ort_target, ort_drafter).generate(prompt, 40)
         assert unplanted.tokens == ref.tokens and unplanted.accept_lengths == torch_tree.accept_lengths
-    assert (ort_target._graph_accept is not None) == (acceptance == "graph")
+    ort_target.reset()
+    ort_target.add_sequence()
+    out = ort_target.forward(torch.tensor([[3, 4]]), torch.arange(2)[None], torch.ones(1, 2, 2).tril().bool())
+    assert (out.accepted is not None) == (acceptance == "graph")
 
 
 def test_session_spin_modes_decode_alike_and_a_wrong_one_is_refused(exported):
     """Spinning is a scheduling setting: every mode gives the same tokens; a typo is an error."""
     target, _, graphs = exported
     prompt = list(range(3, 20))
-    runs = [generate_autoregressive(OrtTarget(graphs["target"], target.config.max_position_embeddings, 1, spin=mode),
-                                    prompt, 12, []).tokens for mode in SPIN_MODES]
+    runs = [two_call(OrtTarget(graphs["target"], target.config.max_position_embeddings, 1, spin=mode)).generate(
+        prompt, 12).tokens for mode in SPIN_MODES]
     assert runs[0] == runs[1] == runs[2]
     with pytest.raises(ValueError, match="spin='sometimes'.*in-call"):
         make_session(graphs["target"], spin="sometimes")
@@ -213,6 +215,10 @@ def test_target_graph_accepts_greedily_like_the_tree_walk(exported):
     assert last["accept_tokens"][:, 0].tolist() == last["logits"][:, 0].argmax(-1).tolist()
 
 
+def _outputs(out):
+    return out.logits, out.captured
+
+
 def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     """Every binding of a call shape is made once and reused: the past / new-KV bindings and the
     preallocated input and output buffers (one logits tensor for every one-token step, its
@@ -229,8 +235,8 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     addresses = set()
     for t in range(5, 40):      # one token at a time: one shape while the cache stays at 64 rows
         step = (ids[:, t:t + 1], torch.tensor([[t]]), eye(1))
-        logits, captured = ort_target.forward(*step)
-        want, want_captured = ref.forward(*step)
+        logits, captured = _outputs(ort_target.forward(*step))
+        want, want_captured = _outputs(ref.forward(*step))
         addresses.add((logits.data_ptr(), captured.data_ptr()))
         assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
         for backend in (ort_target, ref):
@@ -245,8 +251,8 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
     assert ort_target.cache.capacity == 128
     assert [key[2] for key in ort_target.bindings.entries] == [5, 1]   # the 40-row call's binding was a one-off
     step = (long[:, :1], torch.tensor([[80]]), eye(1))
-    logits, captured = ort_target.forward(*step)
-    want, want_captured = ref.forward(*step)
+    logits, captured = _outputs(ort_target.forward(*step))
+    want, want_captured = _outputs(ref.forward(*step))
     assert ort_target.bindings.entries[(0, 1, 1, 1)] is step_entry   # kept; its past bound to the new layout
     assert step_entry.layout[0][0] == 128 and (logits.data_ptr(), captured.data_ptr()) in addresses   # (width, id) per cache
     assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
@@ -256,8 +262,8 @@ def test_onnxruntime_target_keeps_its_bindings_and_buffers(exported):
         slot = backend.add_sequence()
         assert slot == 1
     prefill = (ids[:, :7], torch.arange(7)[None], torch.ones(1, 7, 7).tril().bool(), range(1, 2))
-    logits, captured = ort_target.forward(*prefill, last_only=True)
-    want, want_captured = ref.forward(*prefill, last_only=True)
+    logits, captured = _outputs(ort_target.forward(*prefill, last_only=True))
+    want, want_captured = _outputs(ref.forward(*prefill, last_only=True))
     assert ort_target.bindings.entries[(1, 2, 7, 1)].layout[0][0] == 0
     assert torch.allclose(logits, want, atol=1e-4) and torch.allclose(captured, want_captured, atol=1e-4)
 
@@ -273,10 +279,10 @@ def test_onnxruntime_binding_by_address_matches_the_public_api(exported, monkeyp
         ort_target = OrtTarget(graphs["target"], 512)
         ort_target.reset()
         ort_target.add_sequence()
-        out = [ort_target.forward(ids[:, :8], torch.arange(8)[None], torch.ones(1, 8, 8).tril().bool())[0].clone()]
+        out = [ort_target.forward(ids[:, :8], torch.arange(8)[None], torch.ones(1, 8, 8).tril().bool()).logits.clone()]
         ort_target.commit([list(range(8))])
         for t in range(8, 12):
-            out.append(ort_target.forward(ids[:, t:t + 1], torch.tensor([[t]]), torch.ones(1, 1, 1).bool())[0].clone())
+            out.append(ort_target.forward(ids[:, t:t + 1], torch.tensor([[t]]), torch.ones(1, 1, 1).bool()).logits.clone())
             ort_target.commit([[0]])
         entry = next(iter(ort_target.bindings.entries.values()))
         assert (entry.binding.raw is None) == (attribute != "_iobinding")
@@ -361,7 +367,7 @@ def test_failed_export_leaves_nothing_behind(tiny_target, tmp_path, monkeypatch)
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tmp_path):
+def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tiny_drafter, tmp_path):
     """An fp16 target graph: parity with the fp16 PyTorch model, and its own logits (not the
     fp16 model's) within fp16 rounding of the fp32 model's. Composed with a float32 drafter
     graph, the iteration graph matches PyTorch (fp16 target, fp32 drafter) on every output,
@@ -379,7 +385,7 @@ def test_fp16_target_graph_and_its_iteration_graph_match_pytorch(tiny_target, tm
     ref32 = target_case(tiny_target.model, path, "float32", [prompt]).reference[1]["logits"]
     error = np.abs(graph_logits - ref32).max()
     assert 0 < error < 0.1, f"fp16 graph vs fp32 model: max abs {error}"
-    drafter = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
+    drafter = tiny_drafter
     tree_graph = export_drafter_tree(drafter, SHAPE, tmp_path / "drafter_tree.onnx").path
     iteration = compose_iteration(path, tree_graph, tmp_path / "iteration.onnx").path
     real = [(case.reference[1], prompt[1:] + [int(case.reference[1]["logits"][0, -1].argmax())])]
@@ -418,17 +424,17 @@ def test_fp16_graph_checked_against_the_fp32_model_within_twice_the_fp16_models_
     assert failed == {"logits"}
 
 
-def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tmp_path):
+def test_export_pipeline_reexports_a_drafter_retrained_in_place(tiny_target, tiny_drafter, tmp_path):
     """Graphs are reused while their key matches; a drafter with new weights under the same
     source name (retrained into the same folder) gets a new drafter graph, the target's is kept."""
     from eagle_trt.api import Models
     from eagle_trt.export import export_pipeline
-    first = random_drafter(tiny_target, "eagle3.1", seed=4, draft_vocab_size=48)
-    tiny_target.model.set_capture(first.cfg.capture_for(tiny_target.config))
+    first = tiny_drafter
+    target = capturing(tiny_target, first)
     shape = TreeShape(depth=2, top_k=2, total_tokens=3)
 
     def export(drafter):
-        paths = export_pipeline(Models(tiny_target, drafter, "drafters/mine", None), shape, tmp_path, log=None)
+        paths = export_pipeline(Models(target, drafter, "drafters/mine", None), shape, tmp_path, log=None)
         return {name: p.stat().st_mtime_ns for name, p in paths.items()}
     before = export(first)
     assert export(first) == before                                     # nothing re-exported

@@ -22,7 +22,8 @@ from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
-from conftest import HF_FAMILIES, NEW_TOKENS, check_planted_greedy, write_tiny_hf_target
+from conftest import (HF_FAMILIES, NEW_TOKENS, capturing, check_planted_greedy, random_prompts, share,
+                      write_tiny_hf_target)
 
 VOCAB = 128
 SHAPE = TreeShape(depth=5, top_k=3, total_tokens=16)
@@ -92,8 +93,7 @@ def case(request, tmp_path_factory):
     rope = extra.pop("rope_scaling", None)
     folder = write_tiny_hf_target(tmp_path_factory.mktemp(request.param), family=family, vocab=VOCAB, layers=4,
                                   seed=5, std=0.25, rope_scaling=rope, extra=extra)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 23)]
+    prompts = random_prompts(VOCAB, (40, 23))
     references = _greedy(_hf(folder), prompts)
     # The control: the same checkpoint, feature off, in transformers.
     where, edit = control
@@ -198,12 +198,11 @@ def _save_speculators(drafter, folder):
 
 
 @pytest.fixture(scope="module")
-def qwen3_target(tmp_path_factory):
+def qwen3_target(request, tmp_path_factory):
     folder = write_tiny_hf_target(tmp_path_factory.mktemp("qwen3"), family="qwen3", vocab=VOCAB, layers=4, seed=5,
                                   std=0.25, extra=dict(head_dim=16))
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (30, 17)]
-    return load_target(folder), prompts, _greedy(_hf(folder), prompts)
+    prompts = random_prompts(VOCAB, (30, 17))
+    return share(request, load_target(folder), "qwen3_target target"), prompts, _greedy(_hf(folder), prompts)
 
 
 def test_qwen3_layer_drafter_in_speculators_layout_is_lossless(qwen3_target, tmp_path):
@@ -220,8 +219,8 @@ def test_qwen3_layer_drafter_in_speculators_layout_is_lossless(qwen3_target, tmp
     with torch.no_grad():
         plain.midlayer.self_attn.q_norm.weight.fill_(1.0)
     assert not torch.allclose(drafter_outputs(loaded)[0], drafter_outputs(plain)[0])
-    target.model.set_capture(loaded.cfg.capture_for(target.config))
-    check_planted_greedy(TorchTarget(target.model), TorchDrafter(loaded, SHAPE), prompts, references, eos=())
+    check_planted_greedy(TorchTarget(capturing(target, loaded).model), TorchDrafter(loaded, SHAPE), prompts, references,
+                         eos=())
 
 
 def test_qwen3_layer_keys_under_a_llama_config_are_named_as_in_the_file(qwen3_target, tmp_path):
@@ -256,8 +255,8 @@ def test_modelopt_default_config_with_yarn_loads_and_is_lossless(qwen3_target, t
     drafter = load_drafter(folder, target)
     assert drafter.cfg.rope_scaling["rope_type"] == "yarn"
     assert drafter.rope.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
-    target.model.set_capture(drafter.cfg.capture_for(target.config))
-    check_planted_greedy(TorchTarget(target.model), TorchDrafter(drafter, SHAPE), prompts, references, eos=())
+    check_planted_greedy(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, SHAPE), prompts, references,
+                         eos=())
 
 
 # ============================================================================= refusals

@@ -16,7 +16,7 @@ from eagle_trt.generate import main as generate_main
 from eagle_trt.parity import run_parity
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
-from conftest import check_planted_greedy, onnx_dir_copy
+from conftest import capturing, check_planted_greedy, onnx_dir_copy
 
 SHAPES = {"chain": TreeShape.chain(5), "tree": TreeShape(depth=5, top_k=4, total_tokens=24)}
 # The pairings test_lossless_greedy.py does not run on PyTorch: each variant and each shape on both backends.
@@ -33,9 +33,8 @@ def drafters(smollm2):
 def target_graph(smollm2, drafters, smollm2_onnx_dir):
     # Both drafters use the EAGLE default capture layers, so one target graph (the shared export) serves both.
     assert drafters["eagle3"].cfg.capture_for(smollm2.config) == drafters["eagle3.1"].cfg.capture_for(smollm2.config)
-    smollm2.model.set_capture(drafters["eagle3"].cfg.capture_for(smollm2.config))
-    assert list(smollm2.model.capture_streams) == json.loads((smollm2_onnx_dir / "export.json").read_text())[
-        "target"]["capture"]
+    assert list(capturing(smollm2, drafters["eagle3"]).model.capture_streams) == json.loads(
+        (smollm2_onnx_dir / "export.json").read_text())["target"]["capture"]
     return smollm2_onnx_dir / "target.onnx"
 
 
@@ -43,7 +42,7 @@ def test_parity_report_on_smollm2(smollm2, smollm2_tokenizer, drafters, target_g
     shape = TreeShape(depth=5, top_k=8, total_tokens=60)
     graphs = {"target": target_graph,
               "drafter_tree": export_drafter_tree(drafters["eagle3.1"], shape, tmp_path / "tree.onnx").path}
-    models = Models(smollm2, drafters["eagle3.1"], "random eagle3.1", smollm2_tokenizer)
+    models = Models(capturing(smollm2, drafters["eagle3.1"]), drafters["eagle3.1"], "random eagle3.1", smollm2_tokenizer)
     reports = run_parity(models, shape, graphs, "float32", num_prompts=2, bundle_dir=tmp_path / "bundles")
     by_name = {r.name: r for r in reports}
     assert all(r.passed for r in reports), [(r.name, o.output, o.max_abs) for r in reports for o in r.outputs

@@ -20,7 +20,6 @@ from eagle_trt.quant.formats import (fp4_decode, fp4_encode, fp8_cast, fp8_fake_
                                      unpack_fp4)
 from eagle_trt.quant.run import TRT_FP4DynamicQuantize
 
-torch.set_num_threads(1)
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=23, domains=()):

@@ -17,20 +17,13 @@ from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibra
                              module_for_node, quantize_model, quantize_onnx, quantized_copy, run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CostModel
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
-from eagle_trt.runtime.sessions import FP8_SESSION
+from eagle_trt.runtime.loop import Request
+from eagle_trt.runtime.ort_engines import open_backends
 
-from conftest import PlantedDrafter, oracle_drafter
+from conftest import PlantedDrafter, capturing, on_graph, oracle_drafter, rel_l2, two_call
 
-torch.set_num_threads(1)
 SHAPE = TreeShape(depth=4, top_k=3, total_tokens=10)
 FORMATS = ("fp8", "nvfp4")
-
-
-def rel_l2(a, b) -> float:
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
-    return float((a - b).norm() / b.norm())
 
 
 def _ids(n: int, seed: int, vocab: int = 96) -> list[int]:
@@ -43,25 +36,30 @@ def setup(tiny_target, tmp_path_factory):
     quantized graphs of both formats."""
     folder = tmp_path_factory.mktemp("quant_tiny")
     drafter = oracle_drafter(tiny_target, "eagle3.1", draft_vocab_size=48)
-    before = tiny_target.model.capture
-    tiny_target.model.set_capture(drafter.cfg.capture_for(tiny_target.config))
+    target = capturing(tiny_target, drafter)
     prompts = [_ids(12 + 5 * i, seed=100 + i) for i in range(6)]
     calls = {"target": 0, "drafter": 0}
     counter = lambda name: lambda: calls.__setitem__(name, calls[name] + 1)   # noqa: E731 - progress callbacks
-    amax = {"target": calibrate_target(tiny_target.model, prompts, counter("target")),
-            "drafter": calibrate_drafter(drafter, tiny_target.model, prompts, SHAPE, counter("drafter"))}
-    graphs = {"target": export_target(tiny_target.model, folder / "target.onnx").path,
+    amax = {"target": calibrate_target(target.model, prompts, counter("target")),
+            "drafter": calibrate_drafter(drafter, target.model, prompts, SHAPE, counter("drafter"))}
+    graphs = {"target": export_target(target.model, folder / "target.onnx").path,
               "drafter": export_drafter_tree(drafter, SHAPE, folder / "drafter.onnx").path}
-    models = {"target": tiny_target.model, "drafter": drafter}
-    out = {"folder": folder, "amax": amax, "graphs": graphs, "models": models, "summary": {}, "calls": calls}
+    models = {"target": target.model, "drafter": drafter}
+    out = {"folder": folder, "amax": amax, "graphs": graphs, "models": models, "summary": {}, "calls": calls,
+           "target": target}
     for fmt in FORMATS:
         for name in ("target", "drafter"):
             path = folder / f"{name}.{fmt}.onnx"
             out["summary"][name, fmt] = quantize_onnx(graphs[name], path, QuantConfig(fmt), amax[name],
                                                       linear_paths(models[name]))
             out["graphs"][name, fmt] = path
-    yield out
-    tiny_target.model.set_capture(before)      # the target fixture is shared with other test modules
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_target(setup):
+    """The tiny target capturing the oracle drafter's layers, as setup's graphs were exported."""
+    return setup["target"]
 
 
 def target_feeds(cfg, ids: list[int], past: int, seed: int = 0):
@@ -77,8 +75,8 @@ def target_feeds(cfg, ids: list[int], past: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantized_target_graph_matches_fake_quant_reference(setup, tiny_target, fmt):
-    model, cfg = tiny_target.model, tiny_target.config
+def test_quantized_target_graph_matches_fake_quant_reference(setup, oracle_target, fmt):
+    model, cfg = oracle_target.model, oracle_target.config
     reference, summary = quantized_copy(model, QuantConfig(fmt), setup["amax"]["target"])
     assert sorted(summary.quantized) == setup["summary"]["target", fmt].modules
     ids = _ids(6, seed=7)
@@ -96,9 +94,9 @@ def test_quantized_target_graph_matches_fake_quant_reference(setup, tiny_target,
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_quantized_matmul_matches_its_quant_linear(setup, tiny_target, fmt):
-    reference, _ = quantized_copy(tiny_target.model, QuantConfig(fmt), setup["amax"]["target"])
-    feeds, _ = target_feeds(tiny_target.config, _ids(9, seed=3), past=4)
+def test_every_quantized_matmul_matches_its_quant_linear(setup, oracle_target, fmt):
+    reference, _ = quantized_copy(oracle_target.model, QuantConfig(fmt), setup["amax"]["target"])
+    feeds, _ = target_feeds(oracle_target.config, _ids(9, seed=3), past=4)
     report = layer_parity(str(setup["graphs"]["target", fmt]), reference, feeds)
     assert len(report) == len(setup["summary"]["target", fmt].quantized) == 6 * 7
     assert setup["summary"]["target", fmt].unmatched == []
@@ -106,7 +104,7 @@ def test_every_quantized_matmul_matches_its_quant_linear(setup, tiny_target, fmt
     assert worst <= 1e-5, [r for r in report if r.rel_l2 > 1e-5]
 
 
-def test_quantize_model_in_place_lets_each_float_weight_go(setup, tiny_target, monkeypatch):
+def test_quantize_model_in_place_lets_each_float_weight_go(setup, oracle_target, monkeypatch):
     """The parity stage makes its fake-quant reference from the float model in place, so a
     real-size target is never held twice: nothing in quantize_model may keep a replaced
     Linear's float weight alive (the skipped lm_head's stays)."""
@@ -114,7 +112,7 @@ def test_quantize_model_in_place_lets_each_float_weight_go(setup, tiny_target, m
     import gc
     import weakref
     from eagle_trt.quant import fakequant
-    model = copy.deepcopy(tiny_target.model)
+    model = copy.deepcopy(oracle_target.model)
     cfg = QuantConfig("fp8", skip=("lm_head",))
     weights = {path: weakref.ref(linear.weight) for path, linear in linear_paths(model).items()}
     alive = []     # float weights still alive as each QuantLinear is made: the peak, not just the end
@@ -135,11 +133,11 @@ def test_quantize_model_in_place_lets_each_float_weight_go(setup, tiny_target, m
     assert all(weights[p]() is not None for p in summary.skipped)
 
 
-def test_layer_parity_catches_a_wrong_scale(setup, tiny_target):
+def test_layer_parity_catches_a_wrong_scale(setup, oracle_target):
     """The per-layer check can fail: a reference calibrated differently disagrees."""
     amax = dict(setup["amax"]["target"], **{"layers.2.mlp.down_proj": setup["amax"]["target"]["layers.2.mlp.down_proj"] * 3})
-    reference, _ = quantized_copy(tiny_target.model, QuantConfig("fp8"), amax)
-    feeds, _ = target_feeds(tiny_target.config, _ids(9, seed=3), past=0)
+    reference, _ = quantized_copy(oracle_target.model, QuantConfig("fp8"), amax)
+    feeds, _ = target_feeds(oracle_target.config, _ids(9, seed=3), past=0)
     bad = {r.module for r in layer_parity(str(setup["graphs"]["target", "fp8"]), reference, feeds) if r.rel_l2 > 1e-3}
     assert bad == {"layers.2.mlp.down_proj"}
 
@@ -216,19 +214,19 @@ def test_drafter_tree_shares_each_converted_weight(setup):
         check_graph(m)
 
 
-def _drafter_inputs(tiny_target, seed: int):
+def _drafter_inputs(oracle_target, seed: int):
     ids = _ids(10, seed)
-    past_k, past_v = tiny_target.model.empty_past()
+    past_k, past_v = oracle_target.model.empty_past()
     with torch.no_grad():
-        out = tiny_target.model(torch.tensor([ids]), torch.arange(10)[None], causal_mask(10, 0), past_k, past_v)
+        out = oracle_target.model(torch.tensor([ids]), torch.arange(10)[None], causal_mask(10, 0), past_k, past_v)
     return out.captured[0], torch.tensor(ids[1:] + [int(out.logits[0, -1].argmax())])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, fmt):
+def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, oracle_target, fmt):
     reference, _ = quantized_copy(setup["models"]["drafter"], QuantConfig(fmt), setup["amax"]["drafter"])
     for seed in range(3):
-        captured, ids = _drafter_inputs(tiny_target, seed)
+        captured, ids = _drafter_inputs(oracle_target, seed)
         ref = TorchDrafter(reference, SHAPE)
         ref.reset()
         ref.add_sequence()
@@ -244,54 +242,54 @@ def test_quantized_drafter_tree_matches_fake_quant_drafter(setup, tiny_target, f
         assert np.abs(got["tree_scores"] - tree.scores.numpy()).max() <= 1e-4
 
 
-def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, tiny_target, tmp_path):
+def test_speculative_decoding_on_fp8_graphs_equals_autoregressive(setup, oracle_target, tmp_path):
     """FP8 target + FP8 drafter graphs on ONNX Runtime give exactly the tokens of greedy decoding
     with the FP8 target graph alone, and of the fake-quant PyTorch models; the two composed into
-    an iteration graph (run with the FP8 session settings, FP8_SESSION, as the Triton model
+    an iteration graph (run with the FP8 session settings by open_backends, as the Triton model
     serves FP8 builds) give the tokens and accept lengths of the two-call loop, every drafting
     step in one call, whole trees and the cost model's subtrees."""
     cfg = QuantConfig("fp8")
-    ref_target, _ = quantized_copy(tiny_target.model, cfg, setup["amax"]["target"])
+    ref_target, _ = quantized_copy(oracle_target.model, cfg, setup["amax"]["target"])
     ref_drafter, _ = quantized_copy(setup["models"]["drafter"], cfg, setup["amax"]["drafter"])
-    target = OrtTarget(setup["graphs"]["target", "fp8"], tiny_target.config.max_position_embeddings, 1, min_rows=2,
-                       **FP8_SESSION)
-    drafter = OrtDrafter(setup["graphs"]["drafter", "fp8"], SHAPE, 1, **FP8_SESSION)
     composed = compose_iteration(setup["graphs"]["target", "fp8"], setup["graphs"]["drafter", "fp8"],
                                  tmp_path / "iteration.fp8.onnx").path      # the TensorRT op check included
-    iteration = OrtIteration(composed, target, drafter, 1, **FP8_SESSION)
+    graphs = {"target": setup["graphs"]["target", "fp8"], "drafter_tree": setup["graphs"]["drafter", "fp8"],
+              "iteration": composed}
+    target, drafter, iteration = open_backends(graphs, SHAPE, oracle_target.config.max_position_embeddings, threads=1,
+                                               precision={"target": "fp8", "drafter_tree": "fp8"})
     accepted = []
     for seed in range(3):
         prompt = _ids(8 + 9 * seed, seed=20 + seed)
-        ar = generate_autoregressive(target, prompt, 32, [])
-        torch_ar = generate_autoregressive(TorchTarget(ref_target), prompt, 32, [])
+        ar = two_call(target).generate(prompt, 32)
+        torch_ar = two_call(TorchTarget(ref_target)).generate(prompt, 32)
         assert ar.tokens == torch_ar.tokens
-        spec = SpeculativeDecoder(target, PlantedDrafter(drafter, len(prompt), ar.tokens, seed=seed), []).generate(prompt, 32)
+        spec = two_call(target, PlantedDrafter(drafter, len(prompt), ar.tokens, seed=seed)).generate(prompt, 32)
         assert spec.tokens == ar.tokens
         accepted += spec.accept_lengths
-        plain = SpeculativeDecoder(target, drafter, []).generate(prompt, 32)
-        torch_spec = SpeculativeDecoder(TorchTarget(ref_target), TorchDrafter(ref_drafter, SHAPE), []).generate(prompt, 32)
+        plain = two_call(target, drafter).generate(prompt, 32)
+        torch_spec = two_call(TorchTarget(ref_target), TorchDrafter(ref_drafter, SHAPE)).generate(prompt, 32)
         assert plain.tokens == ar.tokens == torch_spec.tokens
         assert plain.accept_lengths == torch_spec.accept_lengths
         calls = iteration.graph_calls
-        one_call = SpeculativeDecoder(target, drafter, [], iteration=iteration).generate(prompt, 32)
+        one_call = on_graph(iteration).generate(prompt, 32)
         assert (one_call.tokens, one_call.accept_lengths) == (plain.tokens, plain.accept_lengths)
         assert iteration.graph_calls - calls == one_call.drafter_calls > 0
     assert max(accepted) >= 3, "no draft was accepted deeply: the check would be vacuous"
     # continuously batched (batch 3 and 8, prompts of mixed lengths, one stopping at an EOS that
     # greedy decoding emits): each sequence still gets greedy FP8 decoding's tokens
     prompts = [_ids(5 + 4 * i, seed=40 + i) for i in range(8)]
-    solo = [generate_autoregressive(target, p, 24, []).tokens for p in prompts]
+    solo = [two_call(target).generate(p, 24).tokens for p in prompts]
     eos = {solo[2][9]}
-    solo = [generate_autoregressive(target, p, 24, eos).tokens for p in prompts]
+    solo = [two_call(target, None, eos).generate(p, 24).tokens for p in prompts]
     assert any(len(t) < 24 for t in solo), "no sequence stopped at the EOS: the check would be vacuous"
     for batch in (3, 8):
-        results = SpeculativeDecoder(target, drafter, eos).generate_batch([Request(p, 24) for p in prompts], max_batch=batch)
+        results = two_call(target, drafter, eos).generate_batch([Request(p, 24) for p in prompts], max_batch=batch)
         assert [r.tokens for r in results] == solo, f"FP8 graphs at batch {batch} differ from greedy"
     # the iteration graph under the cost model: warm-up trees in two calls, then every drafting
     # step in one, subtrees too (a seeded model that finds 2 nodes the best, whatever it measures)
     model = CostModel(SHAPE.total_tokens, SHAPE.top_k * (SHAPE.depth - 1), warmup=2)
     model.choose = lambda batch, backlog=0, remaining=None: SHAPE.total_tokens if model.warming_up else 2
-    decoder = SpeculativeDecoder(target, drafter, eos, cost_model=model, iteration=iteration)
+    decoder = on_graph(iteration, eos, cost_model=model)
     calls = iteration.graph_calls
     results = decoder.generate_batch([Request(p, 24) for p in prompts], max_batch=3)
     assert [r.tokens for r in results] == solo, "FP8 iteration graph with subtrees differs from greedy"
@@ -319,12 +317,12 @@ def test_single_step_drafter_graph(setup, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_float16_graph_quantizes_in_float32_behind_casts(tiny_target, setup, tmp_path, fmt):
+def test_float16_graph_quantizes_in_float32_behind_casts(oracle_target, setup, tmp_path, fmt):
     """An FP8 / NVFP4 target on a float16 base (what the 8B configs build): the quantizers read
     float32 casts of the float16 activations and their outputs are cast back, so each quantized
     MatMul equals its float16 QuantLinear, and the logits the float16 fake-quant model's."""
     import copy
-    half = copy.deepcopy(tiny_target.model).half()
+    half = copy.deepcopy(oracle_target.model).half()
     path = export_target(half, tmp_path / "t16.onnx", dtype="float16").path
     dst = tmp_path / f"t16.{fmt}.onnx"
     summary = quantize_onnx(path, dst, QuantConfig(fmt), setup["amax"]["target"], linear_paths(half))
@@ -335,7 +333,7 @@ def test_float16_graph_quantizes_in_float32_behind_casts(tiny_target, setup, tmp
     to16 = [n for n in model.graph.node if n.op_type == "Cast" and n.attribute[0].i == TensorProto.FLOAT16]
     assert len(to16) >= summary.weights_converted        # every dequantized weight and activation cast back
     reference, _ = quantized_copy(half, QuantConfig(fmt), setup["amax"]["target"])
-    feeds, _ = target_feeds(tiny_target.config, _ids(9, seed=3), past=4)
+    feeds, _ = target_feeds(oracle_target.config, _ids(9, seed=3), past=4)
     feeds = {k: v.astype(np.float16) if v.dtype == np.float32 and k.startswith("past") else v for k, v in feeds.items()}
     report = layer_parity(str(dst), reference, feeds)
     assert len(report) == 6 * 7

@@ -21,49 +21,39 @@ from eagle_trt.models.target import LlamaTarget, causal_mask
 from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, calibration_prompts, layer_parity,
                              linear_paths, load_calibration, quantize_onnx, quantized_copy, run_graph, save_calibration)
 from eagle_trt.runtime.backend import TorchDrafter
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
-from eagle_trt.runtime.sessions import FP8_SESSION
+from eagle_trt.runtime.ort_engines import OrtBackends, open_backends
 from eagle_trt.train.data import in_split
 
-from conftest import PlantedDrafter
+from conftest import PlantedDrafter, capturing, rel_l2, two_call
 
 pytestmark = pytest.mark.slow
-torch.set_num_threads(1)
 TREE = TreeShape(depth=5, top_k=4, total_tokens=16)
 SPEC_TOKENS = 16
 
 
-def rel_l2(a, b) -> float:
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
-    return float((a - b).norm() / b.norm())
+def _fp8(graphs: dict, smollm2) -> OrtBackends:
+    """ONNX Runtime backends over FP8 graphs, with the FP8 session settings (as a build serves them)."""
+    return open_backends(graphs, TREE, smollm2.config.max_position_embeddings, threads=1,
+                         precision={g: "fp8" for g in ("target", "drafter_tree")})
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2, smollm2_tokenizer, smollm2_onnx_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("quant_smol")
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=4096)
-    before = smollm2.model.capture
-    smollm2.model.set_capture(drafter.cfg.capture_for(smollm2.config))
+    target = capturing(smollm2, drafter)
     prompts = calibration_prompts(smollm2_tokenizer, count=8, max_tokens=192)
     ids = [p for _, p in prompts]
     amax = {"target": load_calibration(save_calibration(folder / "target.amax.json",
-                                                        calibrate_target(smollm2.model, ids))),
+                                                        calibrate_target(target.model, ids))),
             "drafter": load_calibration(save_calibration(folder / "drafter.amax.json",
-                                                         calibrate_drafter(drafter, smollm2.model, ids, TREE)))}
+                                                         calibrate_drafter(drafter, target.model, ids, TREE)))}
     graphs = {"target": smollm2_onnx_dir / "target.onnx",     # exported once for the session, same capture layers
               "drafter": export_drafter_tree(drafter, TREE, folder / "drafter.onnx").path}
-    for name, model in (("target", smollm2.model), ("drafter", drafter)):
+    for name, model in (("target", target.model), ("drafter", drafter)):
         quantize_onnx(graphs[name], folder / f"{name}.fp8.onnx", QuantConfig("fp8"), amax[name], linear_paths(model))
         graphs[name, "fp8"] = folder / f"{name}.fp8.onnx"
-    yield {"drafter": drafter, "prompts": prompts, "amax": amax, "graphs": graphs, "folder": folder}
-    smollm2.model.set_capture(before)          # the target fixture is shared with other test modules
-
-
-def fp8_target(smol, smollm2) -> OrtTarget:
-    """The FP8 SmolLM2 graph on ONNX Runtime with the FP8 settings, padded to 2 rows (OrtTarget)."""
-    return OrtTarget(smol["graphs"]["target", "fp8"], smollm2.config.max_position_embeddings, 1, min_rows=2,
-                     **FP8_SESSION)
+    return {"drafter": drafter, "prompts": prompts, "amax": amax, "graphs": graphs, "folder": folder, "target": target}
 
 
 def target_feeds(cfg, ids: list[int]) -> dict[str, np.ndarray]:
@@ -94,13 +84,13 @@ def test_calibration_prompts_are_held_out_sharegpt(smol, mtbench_ids, smollm2):
     tok = smollm2.tokenizer()
     texts = [tok.decode(ids) for _, ids in prompts]
     assert not any(q.strip()[:60] in t for q in mtbench_prompts() for t in texts)
-    for name, model in (("target", smollm2.model), ("drafter", smol["drafter"])):
+    for name, model in (("target", smol["target"].model), ("drafter", smol["drafter"])):
         assert set(smol["amax"][name]) == set(linear_paths(model))
         assert all(v > 0 for v in smol["amax"][name].values())
 
 
 def test_fp8_smollm2_graph_matches_reference_layer_by_layer(smol, smollm2, mtbench_ids):
-    reference, summary = quantized_copy(smollm2.model, QuantConfig("fp8"), smol["amax"]["target"])
+    reference, summary = quantized_copy(smol["target"].model, QuantConfig("fp8"), smol["amax"]["target"])
     assert len(summary.quantized) == 30 * 7 and summary.skipped == {"lm_head": "skip pattern 'lm_head'"}
     feeds = target_feeds(smollm2.config, mtbench_ids[0])
     report = layer_parity(str(smol["graphs"]["target", "fp8"]), reference, feeds)
@@ -111,9 +101,9 @@ def test_fp8_smollm2_graph_matches_reference_layer_by_layer(smol, smollm2, mtben
     # End to end over all 30 layers, for the record (rounding-flip cascade, not an arithmetic error).
     with torch.no_grad():
         T = len(mtbench_ids[0])
-        past = smollm2.model.empty_past()
+        past = smol["target"].model.empty_past()
         args = (torch.tensor([mtbench_ids[0]]), torch.arange(T)[None], causal_mask(T, 0), *past)
-        ref, flt = reference(*args).logits, smollm2.model(*args).logits
+        ref, flt = reference(*args).logits, smol["target"].model(*args).logits
     got = run_graph(smol["graphs"]["target", "fp8"], feeds)["logits"]
     print(f"SmolLM2 FP8, 30 layers end to end: graph vs reference {rel_l2(got, ref):.2e}, "
           f"reference vs float {rel_l2(ref, flt):.2e}")
@@ -145,12 +135,13 @@ def test_fp8_drafter_tree_matches_fake_quant_drafter(smol, smollm2, mtbench_ids)
     """Real target features of MT-bench prompts through the FP8 drafter-tree graph on ONNX Runtime
     and through the fake-quant drafter: same tree, and every MatMul matches."""
     reference, _ = quantized_copy(smol["drafter"], QuantConfig("fp8"), smol["amax"]["drafter"])
-    ort_drafter = OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE, 1, **FP8_SESSION)
+    ort_drafter = _fp8({"drafter_tree": smol["graphs"]["drafter", "fp8"]}, smollm2).drafter
     same = 0
     for ids in mtbench_ids[:4]:
         T = len(ids)
         with torch.no_grad():
-            out = smollm2.model(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T, 0), *smollm2.model.empty_past())
+            model = smol["target"].model
+            out = model(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T, 0), *model.empty_past())
         captured, next_ids = out.captured[0], torch.tensor(ids[1:] + [int(out.logits[0, -1].argmax())])
         ref = TorchDrafter(reference, TREE)
         trees = []
@@ -196,14 +187,14 @@ def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at
     batching too). So every divergence must be such a near-tie, and at most 2 of 20 prompts
     may diverge. The (untrained) drafter's trees carry a planted path of greedy's continuation
     so that drafts are accepted deep and KV compaction runs."""
-    target = fp8_target(smol, smollm2)
-    drafter = OrtDrafter(smol["graphs"]["drafter", "fp8"], TREE, 1, **FP8_SESSION)
+    target, drafter, _ = _fp8({"target": smol["graphs"]["target", "fp8"],
+                               "drafter_tree": smol["graphs"]["drafter", "fp8"]}, smollm2)
     assert target.min_rows == 2
     eos = set(smollm2.config.eos_token_ids)
     accepted, diverged = [], []
     for i, ids in enumerate(mtbench_ids):
-        greedy = generate_autoregressive(target, ids, SPEC_TOKENS, eos).tokens
-        spec = SpeculativeDecoder(target, PlantedDrafter(drafter, len(ids), greedy, seed=i), eos).generate(ids, SPEC_TOKENS)
+        greedy = two_call(target, None, eos).generate(ids, SPEC_TOKENS).tokens
+        spec = two_call(target, PlantedDrafter(drafter, len(ids), greedy, seed=i), eos).generate(ids, SPEC_TOKENS)
         assert spec.target_calls == 1 + spec.drafter_calls
         accepted += spec.accept_lengths
         if spec.tokens != greedy:
@@ -211,8 +202,8 @@ def test_speculative_fp8_equals_greedy_fp8_on_18_of_20_prompts_diverging_only_at
             seq = ids + greedy[:j]
             target.reset()
             target.add_sequence(len(seq))
-            logits, _ = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], causal_mask(len(seq), 0),
-                                       last_only=True)
+            logits = target.forward(torch.tensor([seq]), torch.arange(len(seq))[None], causal_mask(len(seq), 0),
+                                    last_only=True).logits
             margin = float(logits[0, -1, greedy[j]] - logits[0, -1, spec.tokens[j]])
             diverged.append((i, j, round(margin, 4)))
     assert len(mtbench_ids) == 20
@@ -226,7 +217,7 @@ def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, 
     """The premise of min_rows: the same token on the same past gives bit-identical logits in a
     1-row call padded to 2 rows, a 2-row call and a 17-row call. (An unpadded 1-row call may round
     differently on some CPUs: printed, not asserted, since on others it does not.)"""
-    target = fp8_target(smol, smollm2)
+    target = _fp8({"target": smol["graphs"]["target", "fp8"]}, smollm2).target
     ids = mtbench_ids[0]
     n = len(ids)
 
@@ -239,7 +230,7 @@ def test_padded_one_row_calls_give_the_logits_of_multi_row_calls(smol, smollm2, 
         toks = torch.tensor([[ids[-1]] + list(range(100, 100 + T - 1))])
         mask = torch.eye(T, dtype=torch.bool)
         mask[:, 0] = True
-        logits, _ = target.forward(toks, torch.full((1, T), n), mask[None])
+        logits = target.forward(toks, torch.full((1, T), n), mask[None]).logits
         return logits[0, 0]
     one, padded, two, many = row0(1, 1), row0(1, 2), row0(2, 1), row0(17, 1)
     assert torch.equal(padded, two) and torch.equal(two, many)

@@ -1,7 +1,7 @@
 """Lossless speculative SAMPLING (DESIGN.md section 2, "Verification").
 
 The exact distribution of the first three generated tokens is computed by enumerating every
-continuation with the target model and `target_probs`; thousands of SpeculativeDecoder runs
+continuation with the target model and `target_probs`; thousands of decoding-loop runs
 (tree drafts, sibling rejection, residual and bonus samples) must fit it by a chi-square test.
 A deliberately broken acceptance rule must fail the very same test, so the test has power.
 """
@@ -14,14 +14,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import eagle_trt.runtime.decoder as decoder_mod
-from conftest import frozen_trim, oracle_drafter, write_tiny_hf_target
+import eagle_trt.runtime.loop as loop_mod
+from conftest import capturing, frozen_trim, oracle_drafter, share, static, two_call, write_tiny_hf_target
 from eagle_trt import verify
 from eagle_trt.checkpoints import LoadedTarget, load_target, random_drafter
 from eagle_trt.config import CaptureLayers, SamplingConfig, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
+from eagle_trt.runtime.loop import DecodingLoop, Request
 from eagle_trt.verify import NUCLEUS_FIRST, children_lists, draw, target_distribution, target_probs
 
 VOCAB = 12
@@ -33,21 +33,11 @@ SHAPE = TreeShape(depth=3, top_k=3, total_tokens=8)
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Thousands of tiny forwards: one intra-op thread avoids OpenMP barrier stalls, which
-    dominate (10x and more) when the two cores are shared with other processes."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
-def small_target(tmp_path_factory) -> LoadedTarget:
+def small_target(request, tmp_path_factory) -> LoadedTarget:
     folder = write_tiny_hf_target(tmp_path_factory.mktemp("small_vocab"), vocab=VOCAB, hidden=32, layers=4, heads=4,
                                   kv_heads=2, seed=3)
-    return load_target(folder)
+    return share(request, load_target(folder))
 
 
 def _oracle(target: LoadedTarget, variant: str = "eagle3.1", noise: float = 0.05, seed: int = 1):
@@ -65,10 +55,14 @@ def _random(target: LoadedTarget, variant: str = "eagle3", seed: int = 4, draft_
     return d
 
 
-def _decoder(target: LoadedTarget, drafter, shape: TreeShape = SHAPE) -> SpeculativeDecoder:
-    target.model.set_capture(drafter.cfg.capture_for(target.config))
-    return SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), eos_ids=[],
-                              vocab_size=target.config.vocab_size)
+def _decoder(target: LoadedTarget, drafter, shape: TreeShape = SHAPE, **engine) -> DecodingLoop:
+    """The two-call engine over the PyTorch reference backends (engine: its cost model or trim)."""
+    return two_call(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, shape), [],
+                    target.config.vocab_size, **engine)
+
+
+def _greedy(target: LoadedTarget, prompt: list[int], n: int) -> list[int]:
+    return two_call(TorchTarget(target.model)).generate(prompt, n).tokens
 
 
 # ----------------------------------------------------------------------------- exact distribution
@@ -147,7 +141,7 @@ class SampleRun:
     stats: dict
 
 
-def sample_speculative(dec: SpeculativeDecoder, sampling: SamplingConfig, runs: int, seed0: int,
+def sample_speculative(dec: DecodingLoop, sampling: SamplingConfig, runs: int, seed0: int,
                        monkeypatch=None, rule=None, max_batch: int = 16) -> SampleRun:
     """`runs` independent generations (distinct seeds), continuously batched `max_batch` at a
     time (each sequence draws from its own seeded generator, so batching changes no sample's
@@ -171,7 +165,7 @@ def sample_speculative(dec: SpeculativeDecoder, sampling: SamplingConfig, runs: 
             stats["bonus_at_leaf"] += 1
         return path, tok
 
-    monkeypatch.setattr(decoder_mod, "accept_sampled", spy)
+    monkeypatch.setattr(loop_mod, "accept_sampled", spy)
     accept = []
     requests = [Request(PROMPT, NEW, SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k,
                                                     seed=seed0 + i)) for i in range(runs)]
@@ -224,8 +218,7 @@ def test_trimmed_trees_keep_the_target_distribution(small_target, monkeypatch):
     (runtime/cost.py NodeTrim) are still verified losslessly: which nodes are dropped depends on
     the drafter alone, never on the target's draws."""
     sampling = SamplingConfig(temperature=1.0)
-    dec = _decoder(small_target, _oracle(small_target))
-    dec.trim = frozen_trim(per_row=0.0005)
+    dec = _decoder(small_target, _oracle(small_target), trim=frozen_trim(per_row=0.0005))
     run = sample_speculative(dec, sampling, 800, seed0=70_000, monkeypatch=monkeypatch)
     drafted = [n for n in dec.verified if n]
     assert min(drafted) < SHAPE.total_tokens and len(set(drafted)) > 1, "no tree was trimmed: vacuous"
@@ -235,20 +228,22 @@ def test_trimmed_trees_keep_the_target_distribution(small_target, monkeypatch):
     assert p > 1e-3, f"trimmed trees' samples do not follow the target distribution (p = {p:.3g})"
 
 
-@pytest.mark.parametrize("loop", ["dynamic", "static"])
+@pytest.mark.parametrize("loop", ["two-call", "static"])
 def test_sampling_is_lossless_per_sequence_inside_a_batch(small_target, loop):
     """Two sampling settings and greedy requests interleaved in one continuously batched decoder
     (8 sequences at a time, each its own settings and seed): each setting's samples fit its exact
-    distribution, and every greedy sequence equals greedy decoding. static: the fixed-shape
-    device loop (runtime/static.py), whose sampled sequences accept on the host between its
-    draft-and-verify and commit graphs."""
+    distribution, and every greedy sequence equals greedy decoding. static: the PyTorch engine
+    at fixed shapes (runtime/static.py), whose batches with sampled sequences accept on the host
+    between its draft-and-verify and commit graphs."""
     settings = {"t1.0": CASES["t1.0"][0], "t0.6_k4": CASES["t0.6_k4"][0]}
     exact = {name: exact_joint(small_target, PROMPT, cfg) for name, cfg in settings.items()}
-    dec = _decoder(small_target, _oracle(small_target))
+    drafter = _oracle(small_target)
     if loop == "static":
-        from eagle_trt.runtime.static import StaticDecoder
-        dec = StaticDecoder(dec.target, dec.drafter, [], small_target.config.vocab_size, capacity=32)
-    greedy = generate_autoregressive(TorchTarget(small_target.model), PROMPT, NEW, []).tokens
+        dec = static(capturing(small_target, drafter).model, drafter, SHAPE, [], small_target.config.vocab_size,
+                     capacity=32)
+    else:
+        dec = _decoder(small_target, drafter)
+    greedy = _greedy(small_target, PROMPT, NEW)
     requests, kinds = [], []
     for i in range(700):
         for name, cfg in settings.items():
@@ -332,7 +327,7 @@ def test_exact_enumeration_matches_autoregressive_sampling(small_target):
     """Sanity of the oracle distribution itself: the plain autoregressive sampler fits it."""
     sampling = SamplingConfig(temperature=1.0)
     exact = exact_joint(small_target, PROMPT, sampling)
-    plain = SpeculativeDecoder(TorchTarget(small_target.model), None, [], small_target.config.vocab_size)
+    plain = two_call(TorchTarget(small_target.model), None, [], small_target.config.vocab_size)
     counts = torch.zeros([VOCAB] * NEW, dtype=torch.int64)
     for res in plain.generate_batch([Request(PROMPT, NEW, SamplingConfig(1.0, seed=50_000 + i)) for i in range(600)],
                                     max_batch=16):
@@ -518,9 +513,8 @@ def test_greedy_speculative_equals_autoregressive(small_target, kind, shape):
     dec = _decoder(small_target, drafter, shape)
     accepted_any = False
     for prompt in ([1, 5, 7, 3], [4], [2, 9, 9, 0, 11, 6, 8]):
-        ref = generate_autoregressive(TorchTarget(small_target.model), prompt, 24, [])
         res = dec.generate(prompt, 24)
-        assert res.tokens == ref.tokens
+        assert res.tokens == _greedy(small_target, prompt, 24)
         assert sum(res.accept_lengths) + 1 >= 24
         accepted_any |= any(a > 1 for a in res.accept_lengths)
     if kind == "oracle":

@@ -1,7 +1,7 @@
 """The fixed-shape, device-resident iteration (runtime/static.py), on the CPU where it runs
 without capture: token for token what the target's own greedy decoding gives, alone and
 continuously batched, speculative and plain; the same trees and acceptance as the dynamic loop
-(SpeculativeDecoder) with the same drafter; and torch.compile(fullgraph=True) captures the
+(the two-call engine over the PyTorch reference backends) with the same drafter; and torch.compile(fullgraph=True) captures the
 whole iteration as one graph that no later iteration recompiles, which is what a CUDA graph's
 capture of it on a GPU needs (no host sync, no shape that depends on values)."""
 from __future__ import annotations
@@ -9,37 +9,43 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import oracle_drafter, write_tiny_hf_target
+from conftest import (LIMITS, PROMPT_LENGTHS, capturing, oracle_drafter, plant_path, random_prompts, share, two_call,
+                      write_tiny_hf_target)
 from eagle_trt.checkpoints import load_target, random_drafter
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, generate_autoregressive
-from eagle_trt.runtime.static import StaticDecoder
+from eagle_trt.runtime.loop import DecodingLoop, Request
+from eagle_trt.runtime.static import StaticEngine
 
 SHAPES = [TreeShape(depth=4, top_k=3, total_tokens=10), TreeShape.chain(3), TreeShape(depth=5, top_k=2, total_tokens=4)]
-LIMITS = [40, 25, 33, 40, 17, 40, 8, 29, 40, 36]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(request, tmp_path_factory):
     """A small-vocabulary target (its oracle drafter's drafts are accepted several deep), an
     oracle EAGLE 3.1 and a random EAGLE-3 drafter, prompts and their greedy continuations."""
     target = load_target(write_tiny_hf_target(tmp_path_factory.mktemp("static"), vocab=16, hidden=32, layers=4,
                                               heads=4, kv_heads=2, seed=3))
     drafters = {"oracle": oracle_drafter(target, "eagle3.1", noise=0.02, seed=1),
                 "random": random_drafter(target, "eagle3", seed=4, draft_vocab_size=8, std=0.3)}
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).tolist()
-               for n in (5, 31, 12, 1, 47, 9, 20, 3, 16, 26)]
-    references = [generate_autoregressive(TorchTarget(target.model), p, n, []).tokens for p, n in zip(prompts, LIMITS)]
+    prompts = random_prompts(target.config.vocab_size, PROMPT_LENGTHS)
+    plain = two_call(TorchTarget(target.model))
+    references = [plain.generate(p, n).tokens for p, n in zip(prompts, LIMITS)]
+    share(request, target, "static target")
     return target, drafters, prompts, references
 
 
-def _static(target, drafter, shape, eos=(), **kw) -> StaticDecoder:
+def _static(target, drafter, shape, eos=(), engine=StaticEngine, **kw) -> DecodingLoop:
     if drafter is not None:
-        target.model.set_capture(drafter.cfg.capture_for(target.config))
-    return StaticDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape) if drafter is not None else None,
-                         eos, target.config.vocab_size, capacity=kw.pop("capacity", 160), **kw)
+        target = capturing(target, drafter)
+    return DecodingLoop(engine(target.model, drafter, shape if drafter is not None else None,
+                               capacity=kw.pop("capacity", 160), **kw), eos, target.config.vocab_size)
+
+
+def _dynamic(target, drafter, shape) -> DecodingLoop:
+    """The two-call engine over the PyTorch reference backends: the same trees, verified the same way."""
+    return two_call(TorchTarget(capturing(target, drafter).model), TorchDrafter(drafter, shape), [],
+                    target.config.vocab_size)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s.depth}k{s.top_k}N{s.total_tokens}")
@@ -50,7 +56,7 @@ def test_static_iteration_equals_greedy_and_the_dynamic_loop(setup, kind, shape)
     target, drafters, prompts, references = setup
     drafter = drafters[kind]
     static = _static(target, drafter, shape)
-    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), [], target.config.vocab_size)
+    dynamic = _dynamic(target, drafter, shape)
     accepted = []
     for p, n, ref in zip(prompts, LIMITS, references):
         got = static.generate(p, n)
@@ -77,7 +83,8 @@ def test_static_batches_join_leave_and_equal_their_solo_runs(setup, speculative)
         dec = _static(target, drafters["oracle"] if speculative else None, SHAPES[0], eos, max_batch=batch)
         results = dec.generate_batch([Request(p, n) for p, n in zip(prompts, LIMITS)], max_batch=batch)
         assert [r.tokens for r in results] == solo, f"batch {batch} differs from greedy decoding"
-        assert not dec.active and dec.tkv.batch == 0 and dec.tkv.capacity == 160   # every slot freed, never re-laid out
+        engine = dec.engine      # every slot freed, never re-laid out
+        assert not dec.active and engine.tkv.batch == 0 and engine.capacity == engine.tkv.capacity == 160
 
 
 def test_static_iteration_compiles_to_one_graph_without_recompiling(setup):
@@ -101,11 +108,22 @@ def test_static_iteration_compiles_to_one_graph_without_recompiling(setup):
     assert nodes > 200, f"the graph holds {nodes} ops: not the whole iteration"
 
 
-def test_static_decoder_refuses_what_it_cannot_hold(setup):
-    target, drafters, prompts, _ = setup
+def test_static_engine_refuses_what_it_cannot_hold_and_grows_for_what_it_can(setup):
+    """Beyond the target's context: refused before anything runs. Beyond the slots' capacity:
+    the caches are laid out again, larger, the running sequences' rows kept (a long request
+    joins a batch mid-run and every sequence still decodes its greedy tokens)."""
+    target, drafters, prompts, references = setup
     dec = _static(target, drafters["oracle"], SHAPES[0], max_batch=2)
-    with pytest.raises(ConfigError, match="static cache's context"):
-        dec.generate(prompts[4], 150)
+    with pytest.raises(ConfigError, match="exceeds the target's context of 512 tokens"):
+        dec.generate(prompts[4], 500)
+    short, long = dec.add(Request(prompts[0], LIMITS[0])), None
+    dec.step()
+    long = dec.add(Request(prompts[4], 150))      # 47 + 150 + the staged rows do not fit 160
+    assert dec.engine.capacity == dec.engine.tkv.capacity == 256
+    while dec.active:
+        dec.step()
+    assert short.result.tokens == references[0]
+    assert long.result.tokens[:LIMITS[4]] == references[4] and len(long.result.tokens) == 150
     with pytest.raises(ConfigError, match="capacity 12 leaves no room"):
         _static(target, drafters["oracle"], SHAPES[0], capacity=12)
     with pytest.raises(ConfigError, match="capture='sometimes'"):
@@ -125,8 +143,7 @@ def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
     target, drafters, prompts, references = setup
     shape = SHAPES[0]
     sampling = [SamplingConfig(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
-    dynamic = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(drafters["oracle"], shape), [],
-                                 target.config.vocab_size)
+    dynamic = _dynamic(target, drafters["oracle"], shape)
     want = [dynamic.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)]
     dec = _static(target, drafters["oracle"], shape)
     assert [dec.generate(prompts[i], 30, sampling[i]).tokens for i in range(4)] == want
@@ -136,7 +153,7 @@ def test_static_sampled_sequences_keep_their_seeds_beside_greedy_ones(setup):
 
 
 @pytest.mark.slow
-def test_static_decoder_with_the_shipped_drafter_equals_transformers(smollm2, mtbench_ids, hf_greedy):
+def test_static_engine_with_the_shipped_drafter_equals_transformers(smollm2, mtbench_ids, hf_greedy):
     """SmolLM2 and the shipped EAGLE 3.1 drafter on the static path: transformers' greedy tokens
     on real MT-bench prompts, 2 one at a time and 12 continuously batched 8 at a time (joins into
     freed slots); plain static decoding too (8 prompts, batched). Capacity 256 holds the longest prompt (138 tokens)
@@ -160,7 +177,7 @@ def test_static_decoder_with_the_shipped_drafter_equals_transformers(smollm2, mt
     assert [r.tokens for r in results] == hf_greedy[:8]
 
 
-class PlantedStatic(StaticDecoder):
+class PlantedStatic(StaticEngine):
     """The static loop with conftest.PlantedDrafter's trick inside its iteration (eager, on the
     CPU): after the real drafter builds each tree, one root-to-leaf path (up to a random depth,
     through the first or second child) carries the sequence's known greedy continuation, so
@@ -171,20 +188,19 @@ class PlantedStatic(StaticDecoder):
         super().__init__(*args, **kwargs)
         self.continuations, self.rng = continuations, random.Random(seed)
 
+    def iterate(self, batch, greedy):
+        self.batch = batch
+        return super().iterate(batch, greedy)
+
     def _draft(self, B):
         import dataclasses
         tree = super()._draft(B)
         tokens = tree.tokens.clone()
-        for i, seq in enumerate(self.active[:B]):
+        for i, seq in enumerate(self.batch[:B]):
             continuation = self.continuations[id(seq.request)]
             done = int(self.lengths[i]) - len(seq.request.prompt_ids) + 1      # generated, the root included
-            parents, node = tree.parents[i].tolist(), 0
-            for depth in range(self.rng.randint(0, self.shape.depth)):
-                children = [c for c, p in enumerate(parents) if p == node]
-                if not children or done + depth >= len(continuation):
-                    break
-                node = self.rng.choice(children[:2])
-                tokens[i, node - 1] = continuation[done + depth]
+            plant_path(tokens[i], tree.parents[i].tolist(), continuation[done:], self.rng.randint(0, self.shape.depth),
+                       self.rng)
         return dataclasses.replace(tree, tokens=tokens)
 
 
@@ -194,11 +210,11 @@ def test_static_loop_with_planted_paths_equals_greedy(setup, batch):
     at a time, with drafts accepted up to the tree's full depth."""
     target, drafters, prompts, references = setup
     shape = TreeShape(depth=5, top_k=3, total_tokens=12)
-    target.model.set_capture(drafters["random"].cfg.capture_for(target.config))
+    target = capturing(target, drafters["random"])
     requests = [Request(p, n) for p, n in zip(prompts, LIMITS)]
-    dec = PlantedStatic(TorchTarget(target.model), TorchDrafter(drafters["random"], shape), [],
-                        target.config.vocab_size, max_batch=batch, capacity=160,
-                        continuations={id(r): ref for r, ref in zip(requests, references)})
+    dec = DecodingLoop(PlantedStatic(target.model, drafters["random"], shape, max_batch=batch, capacity=160,
+                                     continuations={id(r): ref for r, ref in zip(requests, references)}),
+                       [], target.config.vocab_size)
     results = dec.generate_batch(requests, max_batch=batch)
     assert [r.tokens for r in results] == references
     accepted = [a for r in results for a in r.accept_lengths]

@@ -8,14 +8,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_hf_target
+from conftest import share, write_tiny_hf_target
 
 from eagle_trt.checkpoints import CheckpointError, load_target
 from eagle_trt.models.streamed import StreamedTarget, TargetCall
 from eagle_trt.models.target import causal_mask
 from eagle_trt.tensor_files import TensorFiles
 
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,7 @@ def test_the_graph_exported_from_the_files_is_the_one_exported_from_the_loaded_m
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(request, tmp_path_factory):
     """A tiny target loaded and read part by part, and a random drafter fitted to it."""
     from eagle_trt.checkpoints import random_drafter
     folder = write_tiny_hf_target(tmp_path_factory.mktemp("pair") / "t", layers=3)
@@ -142,6 +141,7 @@ def pair(tmp_path_factory):
     loaded.model.set_capture(drafter.cfg.capture_for(loaded.config))
     streamed = StreamedTarget(folder)
     streamed.set_capture(drafter.cfg.capture_for(loaded.config))
+    share(request, loaded, "pair loaded")
     return loaded, streamed, drafter
 
 

@@ -1,5 +1,5 @@
 """Drafter training: feature cache, draft vocabulary, the training-time test (TTT) against the
-runtime's own drafting, resumable training, the saved checkpoint in the runtime decoder, and
+runtime's own drafting, resumable training, the saved checkpoint in the runtime's decoding loop, and
 the MT-bench guard. Fast tests use a tiny random target and synthetic token sequences."""
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_tiny_hf_target
+from conftest import capturing, share, static, write_tiny_hf_target
 
 from eagle_trt.checkpoints import load_drafter, load_target, save_drafter
 from eagle_trt.config import CaptureLayers, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
 from eagle_trt.train import features as features_mod
 from eagle_trt.train.data import DataConfig, DataError, MTBenchGuard, Sample, iter_json_array, load_samples, to_messages
 from eagle_trt.train.features import FeatureConfig, FeatureError, FeatureStore, extract_features
@@ -25,18 +24,9 @@ from eagle_trt.train.vocab import DraftVocab, build_draft_vocab, count_tokens
 VOCAB, DRAFT_VOCAB = 96, 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    torch.set_num_threads(1)
-    return load_target(write_tiny_hf_target(tmp_path_factory.mktemp("train_target"), vocab=VOCAB, seed=5))
+def target(request, tmp_path_factory):
+    return share(request, load_target(write_tiny_hf_target(tmp_path_factory.mktemp("train_target"), vocab=VOCAB, seed=5)))
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +77,7 @@ def head_rows(target, vocab):
 
 def test_features_round_trip(target, capture, samples, store):
     assert len(store) == len(samples) and store.lengths == [len(s.ids) for s in samples]
-    model = target.model
-    model.set_capture(capture)
+    model = capturing(target, capture).model
     for i in (0, 13, 23):
         got, s = store.get(i), samples[i]
         assert got["ids"].tolist() == s.ids and got["mask"].tolist() == s.loss_mask
@@ -325,7 +314,7 @@ def test_length_groups_regroup_the_same_sequences_with_less_padding():
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
-def test_saved_drafter_is_lossless_in_runtime_decoder(target, trained, samples, variant, tmp_path):
+def test_saved_drafter_is_lossless_in_the_decoding_loop(target, trained, samples, variant, tmp_path):
     drafter, _, _ = trained[variant]
     import copy
     folder = save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), tmp_path / "drafter")
@@ -338,15 +327,15 @@ def test_saved_drafter_is_lossless_in_runtime_decoder(target, trained, samples, 
     loaded = load_drafter(folder, target)
     assert loaded.cfg.variant == variant and loaded.cfg.capture == drafter.cfg.capture
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
-    target.model.set_capture(loaded.cfg.capture_for(target.config))
-    dec = SpeculativeDecoder(TorchTarget(target.model), TorchDrafter(loaded, TreeShape(depth=3, top_k=2, total_tokens=6)),
-                             target.config.eos_token_ids)
+    target = capturing(target, loaded)
+    eos = target.config.eos_token_ids
+    dec = static(target.model, loaded, TreeShape(depth=3, top_k=2, total_tokens=6), eos, max_batch=1)
+    plain = static(target.model, eos=eos, max_batch=1)
     accepted = []
     for s in samples[:4]:
         prompt = s.ids[:8]
         res = dec.generate(prompt, 24)
-        ref = generate_autoregressive(TorchTarget(target.model), prompt, 24, target.config.eos_token_ids)
-        assert res.tokens == ref.tokens
+        assert res.tokens == plain.generate(prompt, 24).tokens
         accepted += res.accept_lengths
     assert max(accepted) >= 2   # the trained drafter's drafts were really accepted somewhere
 
@@ -608,7 +597,7 @@ def test_answer_batch_features_equal_a_full_forward(target, capture):
     asking for them does not change any answer."""
     from eagle_trt.train.features import target_features
     from eagle_trt.train.regenerate import answer_batch
-    target.model.set_capture(capture)
+    target = capturing(target, capture)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
     plain = answer_batch(target.model, prompts, 16, set())
@@ -632,7 +621,7 @@ def test_sampled_answers_are_seeded_and_keep_the_targets_argmax_as_label(target,
     from eagle_trt.config import SamplingConfig
     from eagle_trt.train.features import target_features
     from eagle_trt.train.regenerate import DistillError, DistillSet, answer_batch, regenerate
-    target.model.set_capture(capture)
+    target = capturing(target, capture)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 10, 7)]
     hot = SamplingConfig(temperature=1.0, top_p=0.95, seed=0)

@@ -13,21 +13,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from conftest import oracle_drafter
+from conftest import capturing, oracle_drafter
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.models.target import causal_mask
 from eagle_trt.tree import DraftTree, ancestor_mask, draft_tree, select_nodes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Many tiny forwards: one intra-op thread avoids OpenMP barrier stalls, which dominate
-    when the two cores are shared with other processes."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -138,15 +128,10 @@ def _inputs(drafter, vocab: int, P: int, T: int, seed: int, captured_scale: floa
 def _target_inputs(target, drafter, prompt: list[int], P: int):
     """Real captured target states for `prompt`: the first P rows become drafter context, the
     rest are pending. The drafter pairs the state of token t with the id of token t + 1."""
-    model = target.model
-    old = model.capture
-    model.set_capture(drafter.cfg.capture_for(target.config))
-    try:
-        with torch.no_grad():
-            n = len(prompt)
-            out = model(torch.tensor([prompt]), torch.arange(n)[None], causal_mask(n, 0), *model.empty_past())
-    finally:
-        model.set_capture(old)
+    model = capturing(target, drafter).model
+    with torch.no_grad():
+        n = len(prompt)
+        out = model(torch.tensor([prompt]), torch.arange(n)[None], causal_mask(n, 0), *model.empty_past())
     captured = out.captured[:, :-1]
     ids = torch.tensor([prompt[1:]])
     past_k, past_v = drafter.empty_past()

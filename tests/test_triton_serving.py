@@ -22,7 +22,6 @@ from eagle_trt.build.local_triton import LocalTriton  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL, NEW_TOKENS = "eagle_trt", 16
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,8 @@ def offline(built, mtbench):
 
     from eagle_trt.api import encode_prompt
     from eagle_trt.build.triton import served_graphs
-    from eagle_trt.runtime.decoder import SpeculativeDecoder
-    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
     cfg, m = built
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
@@ -54,9 +53,9 @@ def offline(built, mtbench):
     assert graphs["drafter_tree"].name == "drafter_tree.int8.onnx"     # serving.drafter_weights: auto on fp32
     assert graphs["iteration"].name == "iteration.onnx"     # serving.iteration_graph: auto; the server's whole
     # trees go through it, this two-call decoder's do not: the streams must still be equal
-    target = OrtTarget(graphs["target"], resolved["target"]["max_context"], threads=1)
-    drafter = OrtDrafter(graphs["drafter_tree"], cfg.tree.shape, threads=1)
-    decoder = SpeculativeDecoder(target, drafter, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
+    two_graphs = {g: graphs[g] for g in ("target", "drafter_tree")}
+    engine = open_backends(two_graphs, cfg.tree.shape, resolved["target"]["max_context"], threads=1).engine()
+    decoder = DecodingLoop(engine, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
     prompts = mtbench[:16]
     ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
     return {"prompts": prompts, "ids": ids, "tokens": [decoder.generate(i, NEW_TOKENS).tokens for i in ids],
@@ -298,9 +297,9 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     from test_build_support import tiny_config, write_tiny_target
 
     from eagle_trt.build import build, config_from_dict
-    from eagle_trt.runtime.decoder import SpeculativeDecoder, generate_autoregressive
-    from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
-    from eagle_trt.runtime.sessions import FP8_SESSION
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
 
     parity = {"enabled": family != "llama"}
     data = tiny_config(write_tiny_target(tmp_path / "target", **FP8_TARGETS[family]), parity=parity,
@@ -313,13 +312,13 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
     assert settings["precision"] == {"target": "fp8", "drafter_tree": "fp8"}
     resolved = json.loads(m.artifact("validate/resolved.json").read_text())
-    target = OrtTarget(m.artifact("quantize/target.fp8.onnx"), resolved["target"]["max_context"], 1, min_rows=2,
-                       **FP8_SESSION)
-    drafter = OrtDrafter(m.artifact("quantize/drafter_tree.fp8.onnx"), cfg.tree.shape, 1, **FP8_SESSION)
+    graphs = {"target": m.artifact("quantize/target.fp8.onnx"), "drafter_tree": m.artifact("quantize/drafter_tree.fp8.onnx")}
+    fp8 = open_backends(graphs, cfg.tree.shape, resolved["target"]["max_context"], threads=1,
+                        precision=settings["precision"])
     eos = resolved["target"]["eos_ids"]
     prompt = list(range(5, 25))
-    expected = SpeculativeDecoder(target, drafter, eos).generate(prompt, 8).tokens
-    assert expected == generate_autoregressive(target, prompt, 8, eos).tokens
+    expected = DecodingLoop(fp8.engine(), eos).generate(prompt, 8).tokens
+    assert expected == DecodingLoop(TwoCallEngine(fp8.target), eos).generate(prompt, 8).tokens
     moved = tmp_path / "elsewhere" / "triton"
     shutil.copytree(m.artifact("triton"), moved)
     shutil.rmtree(m.artifact("triton"))

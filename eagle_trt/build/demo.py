@@ -41,9 +41,8 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
     # with the same sessions, thread settings and warm-up as python -m eagle_trt.bench (runtime/timing.py)
     graphs = served_graphs(manifest.artifact("triton"), cfg.serving.model_name) or {   # or engines: the exported graphs
         g: manifest.artifact(f"export/{g}.onnx") for g in ("target", "drafter_tree")}
-    ort = OrtDecoding.open(graphs["target"], graphs["drafter_tree"],
-                           cfg.tree.shape, resolved["target"]["max_context"], eos, resolved["target"]["vocab_size"],
-                           iteration_graph=graphs.get("iteration"))
+    ort = OrtDecoding.open(graphs, cfg.tree.shape, resolved["target"]["max_context"], eos,
+                           resolved["target"]["vocab_size"])
     ort.warm_up(encode_prompt(tokenizer, WARM_UP, chat=True))
     identical, first = True, []
     for prompt in PROMPTS:

@@ -131,7 +131,7 @@ def build_engines(trt, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log
     info = {"tensorrt": trt.__version__, "device": torch.cuda.get_device_name(0), "engines": {}}
     for graph, names in PROFILES.items():
         dims = input_dims(graphs[graph])
-        # Prefill runs one sequence at a time (decoder.py); verification and drafting the running batch.
+        # Prefill runs one sequence at a time (runtime/two_call.py); verification and drafting the running batch.
         profiles = {n: profile_shapes(dims, getattr(cfg.engines.profiles, n), str(graphs[graph]),
                                       1 if n == "prefill" else cfg.engines.max_batch) for n in names}
         info["engines"][graph] = build_engine(trt, graphs[graph], out / f"{graph}.plan", profiles, out / "timing.cache",

@@ -93,8 +93,8 @@ def _link_graph(src: Path, folder: Path) -> Path:
 def torch_runtime(version: Path, cfg: BuildConfig, resolved: dict) -> dict:
     """serving.runtime torch: the target and drafter checkpoints linked into the repository
     (target/, drafter/: their config, weights and tokenizer files) and the settings the model
-    runs them with; max_context is what the static caches hold (StaticDecoder.staged_rows)."""
-    from ..runtime.static import StaticDecoder
+    runs them with; max_context is what the static caches hold (StaticEngine.staged_rows)."""
+    from ..runtime.static import StaticEngine
     for role in ("target", "drafter"):
         src = Path(resolved[role]["folder"])
         files = [f for f in sorted(src.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors", ".model",
@@ -103,7 +103,7 @@ def torch_runtime(version: Path, cfg: BuildConfig, resolved: dict) -> dict:
             raise FileNotFoundError(f"{src}: no weights (.safetensors) to serve the {role} with (serving.runtime: torch)")
         for f in files:
             _link(f, version / role / f.name)
-    staged = StaticDecoder.staged_rows(cfg.tree.shape)
+    staged = StaticEngine.staged_rows(cfg.tree.shape)
     if cfg.serving.capacity <= staged:
         raise ValueError(f"serving.capacity {cfg.serving.capacity} leaves no room for a sequence: an iteration stages "
                          f"{staged} rows")

@@ -10,14 +10,14 @@ response with the newly final tokens: text_output (BYTES [1], the text they add)
 (INT64 [n]); an empty response flagged final closes the stream. Bad requests get one error
 response; the model keeps serving.
 
-Backends: "onnxruntime" runs the target and drafter-tree graphs in-process (OrtTarget /
-OrtDrafter); "tensorrt" calls the `<model>_target` / `<model>_drafter` tensorrt_plan models
-through BLS, keeping the KV caches here as torch tensors (on the GPU when there is one);
-"torch" runs the checkpoints in the repository on the PyTorch backend's fixed-shape loop, each
-iteration one CUDA graph on a GPU (runtime/static.py, serving.runtime: torch).
+Engines: "onnxruntime" runs the target, drafter-tree and iteration graphs in-process
+(runtime/ort_engines.py); "tensorrt" calls the `<model>_target` / `<model>_drafter`
+tensorrt_plan models through BLS, keeping the KV caches here as torch tensors (on the GPU when
+there is one); "torch" runs the checkpoints in the repository on the PyTorch engine at fixed
+shapes, each iteration one CUDA graph on a GPU (runtime/static.py, serving.runtime: torch).
 
 Continuous batching: `execute` validates each request and queues it; one scheduler thread runs
-the batched decoder (runtime/decoder.py), admitting queued requests into the running batch
+the decoding loop (runtime/loop.py), admitting queued requests into the running batch
 (up to `max_concurrent`) between iterations, streaming every sequence's tokens after each
 iteration, and closing a stream the moment its sequence finishes or its client cancels."""
 import json
@@ -32,10 +32,11 @@ import triton_python_backend_utils as pb_utils
 
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
 from eagle_trt.graph_names import ACCEPT_OUTPUTS
-from eagle_trt.runtime.backend import DrafterBackend, TargetBackend, tree_from_outputs
+from eagle_trt.runtime.backend import DrafterBackend, TargetBackend, Verification, tree_from_outputs
 from eagle_trt.runtime.cost import CostModel
-from eagle_trt.runtime.decoder import Request, SpeculativeDecoder, check_request
 from eagle_trt.runtime.kv_cache import CHUNK
+from eagle_trt.runtime.loop import DecodingLoop, Request, check_request
+from eagle_trt.runtime.two_call import TwoCallEngine
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -104,8 +105,8 @@ class BlsTarget(TargetBackend):
         response = _exec(self.model, inputs, ["logits", "captured", *ACCEPT_OUTPUTS, *kv])
         new = [_out(response, n).to(self.device) for n in kv]
         logits = _out(response, "logits").float().cpu()
-        self._graph_accept = (logits, *(_out(response, n) for n in ACCEPT_OUTPUTS))   # the engine's own acceptance
-        return logits, _out(response, "captured"), new[0::2], new[1::2]
+        accepted = tuple(_out(response, n) for n in ACCEPT_OUTPUTS)   # the engine's own acceptance
+        return Verification(logits, _out(response, "captured"), accepted=accepted), new[0::2], new[1::2]
 
 
 class BlsDrafter(DrafterBackend):
@@ -131,21 +132,19 @@ class BlsDrafter(DrafterBackend):
 
 # ----------------------------------------------------------------------------- the model
 
-def torch_decoder(folder, s, shape):
-    """The torch runtime: the checkpoints in the repository on the PyTorch backend, every
+def torch_engine(folder, s, shape):
+    """The torch runtime: the checkpoints in the repository on the PyTorch engine, every
     iteration of the running batch one fixed-shape step, replayed as a CUDA graph on a GPU
     (runtime/static.py); the whole tree is verified (a captured graph has one shape)."""
     from eagle_trt.api import load_target_on
     from eagle_trt.checkpoints import load_drafter
     from eagle_trt.config import CaptureLayers
-    from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-    from eagle_trt.runtime.static import StaticDecoder
+    from eagle_trt.runtime.static import StaticEngine
     target = load_target_on(str(folder / "target"), s["torch_device"],
                             None if s["torch_dtype"] == "auto" else s["torch_dtype"])
     drafter = load_drafter(folder / "drafter", target)
     target.model.set_capture(CaptureLayers(tuple(s["capture"]["layer_ids"]), s["capture"]["convention"]))
-    return StaticDecoder(TorchTarget(target.model), TorchDrafter(drafter, shape), s["eos_ids"], s["vocab_size"],
-                         max_batch=s["max_concurrent"], capacity=s["capacity"])
+    return StaticEngine(target.model, drafter, shape, max_batch=s["max_concurrent"], capacity=s["capacity"])
 
 
 class TritonPythonModel:
@@ -160,31 +159,21 @@ class TritonPythonModel:
         self.settings = s
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), local_files_only=True)
         shape = TreeShape(*s["tree"])
-        iteration = None
+        # One running batch per model instance: requests join it between iterations and leave it
+        # when done; with the graphs the cost model decides per iteration how much of each tree
+        # to verify.
+        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
         if s["backend"] == "torch":
-            self.decoder = torch_decoder(folder, s, shape)
+            engine = torch_engine(folder, s, shape)
         elif s["backend"] == "tensorrt":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            target, drafter = BlsTarget(s, device), BlsDrafter(s, shape, device)
-        else:
-            from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
-            from eagle_trt.runtime.sessions import FP8_SESSION
-            # FP8 graphs need ORT's FP8 settings (weight DQs folded once; the target's 2-row padding)
-            fp8 = {g: s["precision"][g] == "fp8" for g in ("target", "drafter_tree")}
-            threads = s["threads"] or None
-            target = OrtTarget(folder / s["graphs"]["target"], s["max_context"], threads,
-                               min_rows=2 if fp8["target"] else 1, **(FP8_SESSION if fp8["target"] else {}))
-            drafter = OrtDrafter(folder / s["graphs"]["drafter_tree"], shape, threads,
-                                 **(FP8_SESSION if fp8["drafter_tree"] else {}))
-            if "iteration" in s["graphs"]:   # one call for each iteration that drafts (any subtree)
-                iteration = OrtIteration(folder / s["graphs"]["iteration"], target, drafter, threads,
-                                         **(FP8_SESSION if any(fp8.values()) else {}))
-        if s["backend"] != "torch":
-            # One running batch per model instance: requests join it between iterations and leave
-            # it when done; the cost model decides per iteration how much of each tree to verify.
-            cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
-            self.decoder = SpeculativeDecoder(target, drafter, s["eos_ids"], s["vocab_size"], cost_model=cost,
-                                              iteration=iteration)
+            engine = TwoCallEngine(BlsTarget(s, device), BlsDrafter(s, shape, device), cost)
+        else:   # the iteration graph for each iteration that drafts (any subtree), where the build made one
+            from eagle_trt.runtime.ort_engines import open_backends
+            graphs = {g: folder / f for g, f in s["graphs"].items()}
+            engine = open_backends(graphs, shape, s["max_context"], threads=s["threads"] or None,
+                                   precision=s["precision"]).engine(cost)
+        self.decoder = DecodingLoop(engine, s["eos_ids"], s["vocab_size"])
         self.incoming = queue.Queue()
         self.waiting_logged = 0
         self.stopping = threading.Event()

@@ -1,10 +1,12 @@
-"""What the speculative loop asks of a backend, for a batch of sequences, and the PyTorch
-implementation.
+"""What the two-call engine (two_call.py) asks of a target and a drafter backend, for a batch of
+sequences, and the PyTorch reference backends.
 
 `TargetBackend` and `DrafterBackend` own the batched KV caches (runtime/kv_cache.py), the
 masks and the bookkeeping; a backend supplies only `_run`, one graph call. The ONNX Runtime,
-TensorRT and Triton-BLS backends subclass the same two classes, so the decoding loop in
-`decoder.py` never sees which one it runs, and batch 1 is the same code with B = 1.
+TensorRT and Triton-BLS backends subclass the same two classes, so the engine never sees which
+one it runs, and batch 1 is the same code with B = 1. The PyTorch pair (TorchTarget,
+TorchDrafter) is the reference the graph backends are tested against; decoding on PyTorch runs
+on the fixed-shape engine (static.py), which calls the models directly.
 
 Batching is by padding: every sequence of a call gets the same number T of new rows, and each
 sequence's past is the first `width` rows of its slot with the rows beyond its own committed
@@ -13,7 +15,9 @@ the KV rows a graph returns are plain per-sequence offsets."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -133,11 +137,28 @@ class KeptRows(list):
         self.states, self.ids = states, ids
 
 
+@dataclass
+class Verification:
+    """What one target call returns, on any backend: logits [b, K, V] of the rows that get them,
+    the captured states [b, T, A * H], and for a verification its input ids [b, T] and tree
+    mask [b, T, T] (acceptance reads them). Outputs may be the backend's own buffers, valid
+    until its next call of the same shape.
+    accepted: (path [b, K], length [b], tokens [b, K]) where the graph computed its own greedy
+    acceptance in this call (every exported target graph does), so none is computed on the host.
+    handoff: (states [b, R, W], ids [b, R]), the iteration graph's block of each sequence's
+    accepted states and tokens, gathered in the graph in the shape of its own drafter inputs.
+    captured_host: `captured` as a numpy view where the backend has one."""
+    logits: Tensor
+    captured: Tensor
+    ids: Tensor | None = None
+    mask: Tensor | None = None
+    accepted: tuple | None = None
+    handoff: tuple | None = None
+    captured_host: np.ndarray | None = None
+
+
 class TargetBackend(_Batched):
     max_context: int
-    # (logits, path, length, tokens) of the last call, where the target graph computed its own
-    # greedy acceptance (the accept_* outputs of every exported target graph)
-    _graph_accept: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def reset(self, capacity: int = CHUNK) -> None:
         """Drop every sequence; with `capacity`, preallocate that many rows per slot."""
@@ -148,75 +169,77 @@ class TargetBackend(_Batched):
         """Run T new tokens after the committed ones of each sequence in `slots` (default: all).
         input_ids / positions [b, T]; mask [b, T, T] says which new tokens each new token sees
         (causal for prefill, the tree mask for verification, identity for padding); each
-        sequence's committed tokens are all visible. Returns logits [b, T or 1, V] and captured
-        states [b, T, A * H]; the rows are staged. Inputs may live on any device; outputs stay on
-        the backend's, so a CUDA loop moves only token ids and the accepted paths. Outputs may be
-        the backend's own buffers, valid until its next call: copy what must outlive it."""
+        sequence's committed tokens are all visible. Returns a Verification: logits [b, T or 1, V]
+        and captured states [b, T, A * H]; the rows are staged. Inputs may live on any device;
+        outputs stay on the backend's, so a CUDA loop moves only token ids and the accepted
+        paths. Outputs may be the backend's own buffers, valid until its next call: copy what
+        must outlive it."""
         return self._forward(input_ids, positions, mask, slots, logits_rows(int(input_ids.shape[1]), last_only))
 
     def _forward(self, input_ids, positions, mask, slots, index):
         T, dev = int(input_ids.shape[1]), mask.device     # built where the tree mask is (no transfer)
         slots, lengths, width = self._stage(slots, T)
         full = attention_mask(_row_numbers(width, dev) < torch.tensor(lengths, device=dev)[:, None], mask)
-        logits, captured, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
+        out, new_k, new_v = self._run(input_ids, positions, full, index, slots, width)
         self.cache.write(new_k, new_v)          # held until commit copies the accepted rows
-        return logits, captured
+        return out
 
     def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, logits_index: Tensor, slots: range,
-             width: int) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
-        """One target-graph call: logits, captured, and the new K / V rows per layer [b, Hkv, T, D]
-        (or new_k the K and V rows of every layer as one [2, L, b, Hkv, T, D] block, new_v None)."""
+             width: int) -> tuple[Verification, list[Tensor], list[Tensor]]:
+        """One target-graph call: its Verification (logits, captured, and the graph's own
+        acceptance where it has one), and the new K / V rows per layer [b, Hkv, T, D] (or new_k
+        the K and V rows of every layer as one [2, L, b, Hkv, T, D] block, new_v None)."""
         raise NotImplementedError
 
     def commit(self, rows: list[list[int]]) -> None:
         """Keep these staged rows of each sequence of the last forward, in order, as its next committed tokens."""
         self.cache.commit(rows)
 
-    def verify(self, roots: list[int], tree: DraftTree | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def verify(self, roots: list[int], tree: DraftTree | None) -> Verification:
         """Verify each sequence's root token (roots[i], the last token it committed) and the nodes
         of its draft tree (a batch of trees; None: the roots alone, a step of plain decoding), at
-        the positions after its committed rows. Returns logits [b, T, V], captured [b, T, A * H],
-        and the call's input ids [b, T] and tree mask [b, T, T] (acceptance reads them), T = 1 +
-        nodes. Built where the trees are, so a GPU loop copies only the roots and lengths."""
+        the positions after its committed rows. Returns the Verification with the call's input
+        ids [b, T] and tree mask [b, T, T], T = 1 + nodes. Built where the trees are, so a GPU
+        loop copies only the roots and lengths."""
         dev = tree.tokens.device if tree is not None else torch.device("cpu")
         ids, positions, mask = verification_inputs(torch.tensor(roots, device=dev),
                                                    torch.tensor(self.lengths, device=dev), tree)
-        logits, captured = self.forward(ids, positions, mask)
-        return logits, captured, ids, mask
+        out = self.forward(ids, positions, mask)
+        out.ids, out.mask = ids, mask
+        return out
 
-    def keep_states(self, captured: Tensor, paths: list[list[int]], index: Tensor | None = None) -> list:
+    def keep_states(self, out: Verification, paths: list[list[int]], index: Tensor | None = None) -> list:
         """Each sequence's captured states at the rows of its path, [len(path), A * H], copied (the
         outputs are the backend's buffers): what the drafter encodes when the batch next drafts.
-        index: the paths as a [b, K] tensor where the loop has one (the graph's accept_path, zero
+        index: the paths as a [b, K] tensor where the caller has one (the graph's accept_path, zero
         past each path's end: on a GPU it is already there), else made from `paths`."""
         if index is None:
             width = max(len(p) for p in paths)
             index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths])
-        kept = _gather_rows(captured, index.to(captured.device))
+        captured = out.captured
+        kept = _gather_rows(captured, torch.as_tensor(index).to(captured.device))
         return [kept[i, :len(p)] for i, p in enumerate(paths)]
 
-    def greedy_next(self, logits: Tensor) -> list[int]:
-        """Each sequence's greedy token after the last row of `logits` (a prefill's one row): the
-        graph's own argmax where it computed its acceptance in the call that returned them (a
-        prefill's is its last row's argmax), else on the host (torch's argmax over a 49k vocabulary
-        costs 60-270 us on this CPU, per join)."""
-        if self._accepted_in_graph(logits) and logits.shape[1] == 1:
-            return self.accept_greedy(logits, None, None)[2][:, 0].tolist()
-        return logits[:, -1].argmax(-1).tolist()
+    @staticmethod
+    def greedy_next(out: Verification) -> list[int]:
+        """Each sequence's greedy token after the last row of a call's logits (a prefill's one row):
+        the graph's own argmax where it computed its acceptance in that call (a prefill's is its
+        last row's argmax), else on the host (torch's argmax over a 49k vocabulary costs 60-270 us
+        on this CPU, per join)."""
+        if out.accepted is not None and out.logits.shape[1] == 1:
+            return out.accepted[2][:, 0].tolist()
+        return out.logits[:, -1].argmax(-1).tolist()
 
-    def _accepted_in_graph(self, logits: Tensor) -> bool:
-        """Whether the graph computed its greedy acceptance in the call that returned `logits`."""
-        done = self._graph_accept
-        return done is not None and done[0] is logits
-
-    def accept_greedy(self, logits: Tensor, input_ids: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Greedy acceptance of the trees a verification call just scored: what the target graph
-        computed in the call that returned `logits`, where it did (no second call, nothing
-        computed on the host); else verify.accept_greedy_batch on the argmax of `logits`
-        [b, T, V], where the logits are. Returns path [b, T], length [b], tokens [b, T]."""
-        if self._accepted_in_graph(logits):
-            return self._graph_accept[1:]
-        return accept_greedy_batch(logits.argmax(-1), input_ids.to(logits.device), tree_mask.to(logits.device))
+    @staticmethod
+    def accept_greedy(out: Verification) -> tuple[Tensor, Tensor, Tensor]:
+        """Greedy acceptance of the trees a verification call scored: the target graph's own,
+        where it computed one in that call (no second computation); else
+        verify.accept_greedy_batch on the argmax of the logits [b, T, V], where the logits are.
+        Returns path [b, T], length [b], tokens [b, T]."""
+        if out.accepted is not None:
+            return out.accepted
+        dev = out.logits.device
+        return accept_greedy_batch(out.logits.argmax(-1), out.ids.to(dev), out.mask.to(dev))
 
 
 class DrafterBackend(_Batched):
@@ -287,7 +310,7 @@ class TorchTarget(TargetBackend):
         past = [self._past(slots, width, i) for i in range(self.model.cfg.num_hidden_layers)]
         out = self.model(input_ids.to(dev), positions.to(dev), mask.to(dev), [k for k, _ in past],
                          [v for _, v in past], logits_index.to(dev))
-        return out.logits, out.captured, out.new_k, out.new_v
+        return Verification(out.logits, out.captured), out.new_k, out.new_v
 
 
 class TorchDrafter(DrafterBackend):

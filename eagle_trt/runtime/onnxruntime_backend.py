@@ -25,7 +25,7 @@ import torch
 from ..config import TreeShape
 from ..graph_names import (ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, DRAFTER_KV_NAMES, HANDOFF, PREFIX, VERIFY_NODES,
                            kv_heads_and_dim, target_kv_names)
-from .backend import DrafterBackend, KeptRows, TargetBackend, logits_rows
+from .backend import DrafterBackend, KeptRows, TargetBackend, Verification, logits_rows
 from .kv_cache import CHUNK
 from .ort_binding import Bindings, Bound
 from .sessions import make_session
@@ -85,6 +85,14 @@ def kv_device_for(session: ort.InferenceSession, kv_device: str | torch.device |
     return device
 
 
+def verification(bound: Bound, accepts: bool) -> Verification:
+    """A call's outputs where the graph wrote them; the graph's acceptance (accepts) as numpy
+    views of its buffers: `tolist` costs ~1 us on them, 5-10 on the tensors after a graph call."""
+    out, arrays = bound.buffers, bound.arrays
+    return Verification(out["logits"], out["captured"], accepted=tuple(arrays[n] for n in ACCEPT_OUTPUTS)
+                        if accepts else None, captured_host=arrays.get("captured"))
+
+
 @functools.lru_cache(maxsize=64)
 def _row_numbers(width: int) -> np.ndarray:
     return np.arange(width)
@@ -97,8 +105,6 @@ class OrtTarget(_Timed, TargetBackend):
     >= 2-row call is bit-identical whatever the row count; with min_rows=2 a greedy
     token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
     need it, but FP8 activations turn such last-bit differences into different tokens."""
-    _last: Bound | None = None        # the last call's binding: its outputs' numpy arrays
-    _handoff: tuple[np.ndarray, np.ndarray] | None = None   # the last call's hand-off (OrtIteration)
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
                  kv_device: str | torch.device | None = None, **session_kwargs):
@@ -128,8 +134,10 @@ class OrtTarget(_Timed, TargetBackend):
             positions = torch.cat((positions, positions[:, -1:].repeat(1, pad)), 1)
             eye = torch.eye(pad, dtype=torch.bool).expand(B, pad, pad)
             mask = torch.stack([torch.block_diag(m, e) for m, e in zip(mask.bool(), eye)])
-        logits, captured = self._forward(input_ids, positions, mask, slots, index)
-        return logits, (captured[:, :T] if T < self.min_rows else captured)
+        out = self._forward(input_ids, positions, mask, slots, index)
+        if T < self.min_rows:
+            out.captured, out.captured_host = out.captured[:, :T], None
+        return out
 
     def _buffers(self, bound: Bound, b: int, T: int, K: int) -> None:
         for name, shape in (("input_ids", [b, T]), ("position_ids", [b, T]), ("logits_index", [K])):
@@ -155,32 +163,21 @@ class OrtTarget(_Timed, TargetBackend):
         return self._call(bound)
 
     def _call(self, bound: Bound):
-        out = bound.buffers
-        if self.graph_accepts:
-            self._graph_accept = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS))
-        self._last, self._handoff = bound, None
         self._run_graph(bound)
-        return out["logits"], out["captured"], bound.staged, None     # K and V rows as one block
+        return verification(bound, self.graph_accepts), bound.staged, None     # K and V rows as one block
 
-    def accept_greedy(self, logits, input_ids, tree_mask):
-        """The graph's acceptance as numpy views of its output buffers: the loop's `tolist` is
-        ~1 us on them, 5-10 on the tensors after a graph call."""
-        if self._accepted_in_graph(logits):
-            return tuple(self._last.arrays[n] for n in ACCEPT_OUTPUTS)
-        return super().accept_greedy(logits, input_ids, tree_mask)
-
-    def keep_states(self, captured, paths, index=None):
+    def keep_states(self, out, paths, index=None):
         """numpy arrays, copied from the captured buffer's own array in one copy for the batch:
         a slice where every path is the same run of rows (plain steps: each sequence's one row),
         else one gather of every path's rows; each sequence's rows are a view of that copy
         (torch's index_select and reshapes cost ~130 us here right after a graph call, and a
         copy per sequence 4x the one copy). After an iteration graph call with greedy paths
-        (index: its accept_path), views of the rows the graph gathered itself (KeptRows)."""
-        last = self._last
-        if self._handoff is not None and index is not None and index is last.arrays["accept_path"]:
-            states, ids = self._handoff
+        (index given: the graph's own accept_path), views of the rows the graph gathered itself
+        (its hand-off, KeptRows)."""
+        if out.handoff is not None and index is not None:
+            states, ids = out.handoff
             return KeptRows([states[i, :len(p)] for i, p in enumerate(paths)], states, ids)
-        array = last.arrays["captured"] if last is not None and captured is last.buffers["captured"] else captured.numpy()
+        array = out.captured_host if out.captured_host is not None else out.captured.numpy()
         first, rows = paths[0][0], len(paths[0])
         if all(p[0] == first and len(p) == rows and p[-1] - first == rows - 1 for p in paths):
             return list(array[:len(paths), first:first + rows].copy())
@@ -218,9 +215,10 @@ class OrtTarget(_Timed, TargetBackend):
                 if new != old:
                     mask[i, :, min(old, new):max(old, new)] = new > old
         bound.mask_lengths = lengths
-        logits, captured, new_kv, _ = self._call(bound)
+        out, new_kv, _ = self._call(bound)
         self.cache.write(new_kv)
-        return logits, captured, bound.buffers["input_ids"], bound.buffers["tree_mask"]
+        out.ids, out.mask = bound.buffers["input_ids"], bound.buffers["tree_mask"]
+        return out
 
 
 class OrtDrafter(_Timed, DrafterBackend):
@@ -346,12 +344,15 @@ class OrtIteration(_Timed):
         for name, shape in zip(ACCEPT_OUTPUTS, ([b, T], [b], [b, T])):
             bound.buffer(name, torch.int64, shape, output=True)
 
-    def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None, nodes: int | None = None):
+    def run(self, captured, input_ids, new_lengths: list[int], slots: range | None = None, nodes: int | None = None,
+            handed_off: bool = False):
         """DrafterBackend.draft(captured, input_ids, new_lengths) and then TargetBackend.verify of
         each sequence's root (its last valid input id) and its tree's `nodes` best nodes (None:
         all), in one call. Returns the whole trees and what verify returns: logits, captured, input
-        ids and the verified tree's mask. captured and input_ids may be the last call's hand-off
-        (KeptRows.states / .ids): then nothing is copied."""
+        ids and the verified tree's mask, as a Verification (with the graph's hand-off where it
+        makes one). handed_off: captured and input_ids are the last call's hand-off (KeptRows.states
+        / .ids, the caller knows the batch is the same), read where the graph wrote them: nothing
+        is copied."""
         t, d, p = self.target, self.drafter, PREFIX
         nodes = self.nodes if nodes is None else min(nodes, self.nodes)
         if nodes < 1 or (nodes < self.nodes and not self.any_nodes):
@@ -365,20 +366,21 @@ class OrtIteration(_Timed):
         bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
         side = bound.binding.side if self.has_handoff else 0
         given_states, given_ids = bound.handoff[side]    # the drafter inputs this call reads
-        if captured is given_states and input_ids is given_ids:
+        if handed_off:
+            if captured is not given_states:     # the caller's bookkeeping and the binding's sides disagree
+                raise RuntimeError("the hand-off given is not the block this call reads")
             self.handoffs += 1                   # the last call's hand-off, where it wrote it
         else:
             given_states[:, :Tp] = captured      # rows past Tp: an earlier call's (finite), never seen
             given_ids[:, :Tp] = input_ids
         bound.feed(**{p + "past_lengths": drafted, p + "new_lengths": new_lengths, "past_lengths": committed})
-        out = bound.buffers
-        t._graph_accept, t._last = (out["logits"], *(out[n] for n in ACCEPT_OUTPUTS)), bound
         self._run_graph(bound)
-        t._handoff = None
+        out = verification(bound, True)
         if self.handoff:     # what it wrote is what the other side reads: the next call's inputs
             bound.binding.turn()
-            t._handoff = bound.handoff[bound.binding.side]
+            out.handoff = bound.handoff[bound.binding.side]
         d.commit_new_rows(bound.staged_all[1], None, new_lengths)
-        t.cache.write(bound.staged_all[0])       # committed by the decoder, once it has accepted
+        t.cache.write(bound.staged_all[0])       # committed by the engine, once it has accepted
         tree = bound.draft_tree(PREFIX)
-        return tree, out["logits"], out["captured"], out["input_ids"], tree.top(nodes).mask
+        out.ids, out.mask = bound.buffers["input_ids"], tree.top(nodes).mask
+        return tree, out

@@ -1,8 +1,9 @@
-"""Speculative decoding on the PyTorch backend with every tensor at a fixed shape and all state on
-the device, so that a whole iteration replays as one CUDA graph (the way SGLang's EAGLE worker
-and TensorRT-LLM's one-model path run on a GPU). On a CPU the same functions run as they are.
+"""The PyTorch engine of the decoding loop (loop.py): every tensor at a fixed shape and all state
+on the device, so that a whole iteration replays as one CUDA graph (the way SGLang's EAGLE
+worker and TensorRT-LLM's one-model path run on a GPU). On a CPU the same functions run as they
+are. It calls the models (models/target.py, models/drafter.py) directly.
 
-State, allocated once for `max_batch` slots of `capacity` rows (sequence b lives in slot b):
+State, laid out for `max_batch` slots of `capacity` rows (sequence b lives in slot b):
     target KV  [2, L, B, Hkv, S, D] and drafter KV [2, 1, B, Hkv, S, D]  (KVCache, fixed layout)
     lengths [B]   target rows committed (= the root's position); drafted [B]: drafter rows
     roots [B]     the last committed token, which the target has not seen yet
@@ -10,7 +11,7 @@ State, allocated once for `max_batch` slots of `capacity` rows (sequence b lives
                   (the target's captured states of the rows it accepted, paired with the tokens
                   one position later; R = the longest path an iteration accepts)
 
-One iteration of the B running sequences (`_iteration`), fixed shapes throughout:
+One iteration of the B running sequences (`iteration`), fixed shapes throughout:
   1. the drafter encodes its hand-off rows and expands each tree (tree.draft_trees, the
      function the drafter graph is exported from), reading its cache at full capacity;
   2. the target verifies root + N nodes (backend.verification_inputs, as every backend does)
@@ -21,14 +22,16 @@ One iteration of the B running sequences (`_iteration`), fixed shapes throughout
      overwritten later (no tensor shape depends on how much was accepted); the drafter's rows
      likewise;
   5. the hand-off for the next iteration, and the new roots.
-It returns tokens and lengths packed as one [B, T + 1] tensor: the one copy to the host an
-iteration makes (streaming and stop checks). Sampled sequences accept on the host instead
-(verify.accept_sampled with their own seeded generators, exactly as SpeculativeDecoder does):
-the iteration then splits at step 3 into two graphs, the host's paths copied in between.
+It returns paths, lengths and tokens packed as one [B, 2T + 1] tensor: the one copy to the host
+an iteration makes (streaming and stop checks). With sampled sequences in the batch the loop
+accepts on the host (verify.accept_sampled with their own seeded generators): the iteration
+then splits at step 3 into two graphs, the host's paths copied in between.
 
 Prefill runs outside the graphs, one request at a time as it joins (prompt lengths differ). A
 sequence that leaves frees its slot and the last one moves into it, so the running sequences
-are always slots 0..B-1 and there is one graph per batch size."""
+are always slots 0..B-1 and there is one graph per batch size. A request that needs more rows
+than a slot holds lays the caches out again, larger, before it joins (new CUDA graphs on a GPU:
+give a capacity there)."""
 from __future__ import annotations
 
 import time
@@ -37,13 +40,15 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..config import ConfigError, SamplingConfig, TreeShape
-from ..models.target import causal_mask
-from ..tree import DraftTree, draft_trees
-from ..verify import accept_greedy_batch, accept_sampled, sample_token
-from .backend import TorchDrafter, TorchTarget, attention_mask, verification_inputs
-from .decoder import DecodingLoop, Request, Sequence, check_request, root_only_tree
-from .kv_cache import KVCache
+from ..config import ConfigError, TreeShape
+from ..models.drafter import EagleDrafter
+from ..models.target import LlamaTarget, causal_mask
+from ..tree import DraftTree, draft_trees, root_only_tree
+from ..verify import accept_greedy_batch
+from .backend import attention_mask, verification_inputs
+from .kv_cache import CHUNK, KVCache
+from .loop import Engine, Sequence, Verified
+
 
 CAPTURE_MODES = ("auto", "cuda-graph", "off")
 
@@ -112,6 +117,10 @@ class Replayer:
         self.warmup_seconds += time.perf_counter() - start
         return out
 
+    def clear(self) -> None:
+        """Forget every captured graph (the state they read was laid out again)."""
+        self.graphs.clear()
+
     def gpu_seconds(self) -> float:
         """Seconds the GPU spent in the replays timed since the last call (synchronizes)."""
         if not self.events:
@@ -122,47 +131,68 @@ class Replayer:
         return seconds
 
 
-class StaticDecoder(DecodingLoop):
-    """SpeculativeDecoder's loop (add / step / generate_batch) on fixed-shape device state, with
-    the same results token for token (tests/test_static.py). drafter=None: plain decoding, run
-    and captured the same way (the fair baseline on a GPU). capacity: rows per slot (a prompt,
-    its new tokens and the rows an iteration stages); capture: 'auto' (CUDA graphs on a GPU),
-    'cuda-graph' (required) or 'off'; compile: torch.compile the iteration too."""
+class PrefillCache:
+    """The last prompt's prefill by the target (its new KV rows, captured states and last-row
+    logits), shared by engines over one target model: `evaluate` runs every drafter and tree on
+    a prompt back to back, and a long prompt's prefill is most of the time (a ~7k-token prefill
+    takes ~270 s of one core, the 128 tokens after it ~25 s). What it hands out is exactly what
+    the same call would compute; nothing writes into it."""
 
-    def __init__(self, target: TorchTarget, drafter: TorchDrafter | None, eos_ids, vocab_size: int | None = None,
-                 max_batch: int = 8, capacity: int = 2048, capture: str = "auto", compile: bool = False,
-                 compile_backend="inductor"):
-        super().__init__(eos_ids, vocab_size)
-        self.target, self.drafter = target, drafter
-        self.model, self.device = target.model, target.device
+    def __init__(self):
+        self.prompt: list[int] | None = None
+        self.out = None
+
+    def get(self, prompt: list[int], run: Callable):
+        if self.prompt != prompt:
+            self.prompt, self.out = None, run()
+            self.prompt = list(prompt)
+        return self.out
+
+
+class StaticEngine(Engine):
+    """Decoding on the PyTorch models at fixed shapes (see the module docstring), with the same
+    results token for token as every other engine (tests/test_static.py). drafter None: plain
+    decoding, run and captured the same way (the fair baseline on a GPU).
+    capacity: rows a slot holds (a prompt, its new tokens and the rows an iteration stages);
+    None: as many as the running requests need, laid out again when a request needs more, or
+    when the batch is empty and the next request needs less than half. capture: 'auto' (CUDA
+    graphs on a GPU), 'cuda-graph' (required) or 'off'; compile: torch.compile the iteration
+    too. prefills: a PrefillCache shared with other engines over the same target."""
+
+    def __init__(self, target: LlamaTarget, drafter: EagleDrafter | None = None, shape: TreeShape | None = None,
+                 max_batch: int = 8, capacity: int | None = None, capture: str = "auto", compile: bool = False,
+                 compile_backend="inductor", prefills: PrefillCache | None = None):
+        if (drafter is None) != (shape is None):
+            raise ConfigError("a drafter needs its tree shape, and a tree shape a drafter")
+        self.model, self.drafter = target.eval(), drafter.eval() if drafter is not None else None
         cfg, w = self.model.cfg, self.model.embed_tokens.weight
-        self.max_batch, self.capacity = max_batch, capacity
-        self.shape = drafter.shape if drafter is not None else None
+        self.device = w.device
+        self.shape = shape.validate(drafter.cfg.draft_vocab_size) if drafter is not None else None
         self.nodes = self.shape.total_tokens if drafter is not None else 0
         self.rows = min(self.shape.depth, self.nodes) + 1 if drafter is not None else 1   # R: a path's rows at most
-        staged = self.staged_rows(self.shape)
-        self.max_context = min(target.max_context, capacity - staged)
-        if self.max_context < 1:
-            raise ConfigError(f"capacity {capacity} leaves no room for a sequence: an iteration stages {staged} rows")
+        self.staged = self.staged_rows(self.shape)
+        self.max_context = cfg.max_position_embeddings
+        self.max_batch = max_batch
+        self.auto = capacity is None
+        if capacity is not None and capacity <= self.staged:
+            raise ConfigError(f"capacity {capacity} leaves no room for a sequence: an iteration stages {self.staged} rows")
         self.replayer = Replayer(self.device, capture, compile, compile_backend, max_batch)
-        dev, i64 = self.device, dict(dtype=torch.int64, device=self.device)
-        self.tkv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, w.dtype, dev,
-                           batch=max_batch, fixed=True)
+        self.prefills = prefills
+        i64 = dict(dtype=torch.int64, device=self.device)
         self.lengths, self.roots = torch.zeros(max_batch, **i64), torch.zeros(max_batch, **i64)
-        self.row_numbers = torch.arange(capacity, device=dev)
+        self.handed = [0] * max_batch          # per slot: the hand-off rows the drafter encodes next (host)
         if drafter is not None:
-            dcfg, dw = drafter.model.cfg, drafter.model.fc.weight
-            self.dkv = KVCache(1, dcfg.num_key_value_heads, dcfg.head_dim, capacity, dw.dtype, dev, batch=max_batch,
-                               fixed=True)
             self.drafted, self.count = torch.zeros(max_batch, **i64), torch.zeros(max_batch, **i64)
             width = len(self.model.capture_streams) * cfg.hidden_size
-            self.handoff_states = torch.zeros(max_batch, self.rows, width, dtype=w.dtype, device=dev)
+            self.handoff_states = torch.zeros(max_batch, self.rows, width, dtype=w.dtype, device=self.device)
             self.handoff_ids = torch.zeros(max_batch, self.rows, **i64)
         T = self.nodes + 1
         # the host's acceptance of sampled sequences, copied in for the commit
         self.accepted_in = torch.zeros(max_batch, 2 * T + 1, **i64)   # [path | length | tokens] per sequence
         self.verified: dict[int, dict] = {}   # batch size -> the verification outputs the commit reads
-        self.step_seconds = 0.0               # wall time inside step(): with Replayer.gpu_seconds, the GPU's idle share
+        self.step_seconds = 0.0               # wall time inside iterations: with Replayer.gpu_seconds, the GPU's idle share
+        self.tkv = self.dkv = None
+        self._lay_out(capacity or CHUNK)
 
     @staticmethod
     def staged_rows(shape: TreeShape | None) -> int:
@@ -170,6 +200,26 @@ class StaticDecoder(DecodingLoop):
         if shape is None:
             return 2
         return shape.total_tokens + 1 + min(shape.depth, shape.total_tokens) + 1
+
+    def _lay_out(self, capacity: int) -> None:
+        """The caches at `capacity` rows a slot, the committed rows of running sequences kept;
+        captured graphs go (they read the old layout)."""
+        cfg, dev = self.model.cfg, self.device
+        old = (self.tkv, self.dkv)
+        self.tkv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                           self.model.embed_tokens.weight.dtype, dev, batch=self.max_batch, fixed=True)
+        if self.drafter is not None:
+            dcfg = self.drafter.cfg
+            self.dkv = KVCache(1, dcfg.num_key_value_heads, dcfg.head_dim, capacity, self.drafter.fc.weight.dtype, dev,
+                               batch=self.max_batch, fixed=True)
+        for new, was in zip((self.tkv, self.dkv), old):
+            if was is not None and was.lengths:
+                rows = min(max(was.lengths), capacity)
+                new.kv[:, :, :len(was.lengths), :, :rows] = was.kv[:, :, :len(was.lengths), :, :rows]
+                new.lengths = list(was.lengths)
+        self.capacity = capacity
+        self.row_numbers = torch.arange(capacity, device=dev)
+        self.replayer.clear()
 
     # ---- fixed-shape device functions, one CUDA graph each per batch size ----
 
@@ -185,7 +235,7 @@ class StaticDecoder(DecodingLoop):
 
     def _draft(self, B: int) -> DraftTree:
         """Step 1: encode the hand-off rows and expand the trees; the drafter's rows committed."""
-        drafter = self.drafter.model
+        drafter = self.drafter
         tree, new_k, new_v = draft_trees(drafter, self.handoff_states[:B].to(drafter.fc.weight.dtype),
                                          self.handoff_ids[:B], self.dkv.k[0, :B], self.dkv.v[0, :B], self.shape,
                                          self.drafted[:B], self.count[:B])
@@ -210,7 +260,7 @@ class StaticDecoder(DecodingLoop):
 
     def _commit(self, B: int, out: dict[str, Tensor], path: Tensor, length: Tensor, tokens: Tensor) -> Tensor:
         """Steps 4-5 for accepted paths [B, T] (zero past each one's length), their lengths [B] and
-        tokens [B, T]; returns tokens and lengths as one [B, T + 1] tensor."""
+        tokens [B, T]; returns them as one [B, 2T + 1] tensor."""
         slot = torch.arange(B, device=self.device)[:, None]
         self._write_rows(self.tkv, self.lengths[:B], out["new_kv"][:, :, slot, :, path])
         self.lengths[:B] += length
@@ -220,7 +270,7 @@ class StaticDecoder(DecodingLoop):
             self.handoff_ids[:B] = tokens[:, :R]
             self.count[:B] = length
         self.roots[:B] = tokens.gather(1, (length - 1)[:, None])[:, 0]
-        return torch.cat((tokens, length[:, None]), 1)
+        return torch.cat((path, length[:, None], tokens), 1)
 
     def iteration(self, B: int) -> Tensor:
         """One greedy iteration of slots 0..B-1, steps 1-5: what a GPU replays as one graph."""
@@ -236,51 +286,46 @@ class StaticDecoder(DecodingLoop):
     # ---- host side: requests joining and leaving, one replay and one copy an iteration ----
 
     def reset(self) -> None:
-        self.active = []
         self.tkv.clear()
         if self.drafter is not None:
             self.dkv.clear()
 
+    def _fit(self, rows: int) -> None:
+        """Lay the caches out again where a request needing `rows` rows does not fit, or (capacity
+        None) where nothing runs and it needs less than half of them."""
+        fits = -(-rows // CHUNK) * CHUNK
+        if rows > self.capacity or (self.auto and not self.tkv.lengths and 2 * fits < self.capacity):
+            self._lay_out(fits)
+
     @torch.no_grad()
-    def add(self, request: Request) -> Sequence:
-        """Validate and prefill a request (outside the graphs) into the next slot."""
-        sampling = (request.sampling or SamplingConfig()).validate()
-        request.sampling = sampling
-        check_request(request.prompt_ids, request.max_new_tokens, self.max_context, self.vocab_size,
-                      "the static cache's context", f"capacity {self.capacity} rows a slot, less the "
-                      f"{self.capacity - self.max_context} an iteration stages")
-        if len(self.active) >= self.max_batch:
-            raise ConfigError(f"the batch is full: {self.max_batch} sequences (max_batch)")
-        if not self.active:
-            self.reset()
-        seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
-                       request.submitted or time.perf_counter())
-        prompt, n, dev = request.prompt_ids, len(request.prompt_ids), self.device
+    def prefill(self, prompt_ids, max_new_tokens, pick):
+        """Prefill a request (outside the graphs) into the next slot."""
+        n, dev = len(prompt_ids), self.device
+        self._fit(n + max_new_tokens + self.staged)
         slot = self.tkv.add()
         if self.drafter is not None:
             self.dkv.add()          # the same slot: the two caches take and free slots together
         L = self.model.cfg.num_hidden_layers
-        empty = [self.tkv.k[i, slot:slot + 1, :, :0] for i in range(L)]
-        out = self.model(torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None],
-                         causal_mask(n, 0, dev), empty, empty, torch.tensor([n - 1], device=dev))
-        self.tkv.kv[:, :, slot, :, :n] = torch.stack([torch.stack(out.new_k), torch.stack(out.new_v)])[:, :, 0]
+
+        def run():
+            empty = [self.tkv.k[i, slot:slot + 1, :, :0] for i in range(L)]
+            out = self.model(torch.tensor([prompt_ids], device=dev), torch.arange(n, device=dev)[None],
+                             causal_mask(n, 0, dev), empty, empty, torch.tensor([n - 1], device=dev))
+            return torch.stack([torch.stack(out.new_k), torch.stack(out.new_v)])[:, :, 0], out.captured[0], \
+                out.logits[0, -1]
+        new_kv, captured, logits = self.prefills.get(prompt_ids, run) if self.prefills is not None else run()
+        self.tkv.kv[:, :, slot, :, :n] = new_kv
         self.tkv.lengths[slot] = n
-        logits = out.logits[0, -1]
-        first = int(logits.argmax()) if sampling.greedy else sample_token(logits, sampling, seq.gen)
+        first = int(logits.argmax()) if pick is None else pick(logits)
         self.lengths[slot], self.roots[slot] = n, first
         if self.drafter is not None:
-            self._catch_up(slot, out.captured[0], prompt[1:] + [first])
-        seq.result.target_calls = 1
-        self.active.append(seq)
-        seq.extend([first], self.eos_ids)
-        if seq.stop:
-            self._leave(slot)
-        return seq
+            self._catch_up(slot, captured, list(prompt_ids[1:]) + [first])
+        return first
 
     def _catch_up(self, slot: int, captured: Tensor, next_ids: list[int]) -> None:
         """The drafter encodes the prompt's rows but the last (its step 0 alone, no tree); the last
         is the first hand-off, paired with the first generated token."""
-        drafter, dev = self.drafter.model, self.device
+        drafter, dev = self.drafter, self.device
         n = len(next_ids) - 1
         if n:
             empty = self.dkv.k[0, slot:slot + 1, :, :0]
@@ -290,12 +335,13 @@ class StaticDecoder(DecodingLoop):
             self.dkv.kv[:, 0, slot, :, :n] = torch.stack([out.new_k[0], out.new_v[0]])
         self.dkv.lengths[slot] = n
         self.drafted[slot], self.count[slot] = n, 1
+        self.handed[slot] = 1
         self.handoff_states[slot, 0] = captured[n]
         self.handoff_ids[slot, 0] = next_ids[n]
 
-    def _leave(self, slot: int) -> None:
+    def leave(self, slot: int) -> None:
         """Free a slot: the last sequence moves into it (its rows, lengths and hand-off)."""
-        last = len(self.active) - 1
+        last = self.tkv.batch - 1
         self.tkv.remove(slot)
         state = [self.lengths, self.roots]
         if self.drafter is not None:
@@ -304,55 +350,43 @@ class StaticDecoder(DecodingLoop):
         if slot != last:
             for t in state:
                 t[slot] = t[last]
-        self.active[slot] = self.active[-1]
-        self.active.pop()
+            self.handed[slot] = self.handed[last]
 
     @torch.no_grad()
-    def step(self) -> list[Sequence]:
-        batch = list(self.active)
-        if not batch:
-            return []
-        start = time.perf_counter()
-        B, T = len(batch), self.nodes + 1
-        if all(s.request.sampling.greedy for s in batch):
+    def iterate(self, batch: list[Sequence], greedy: bool) -> Verified:
+        start, B, T = time.perf_counter(), len(batch), self.nodes + 1
+        drafted = self.drafter is not None
+        if greedy:      # the whole iteration, commit included, as one graph
             rows = self.replayer.run(self.iteration, B).tolist()     # the one copy to the host
-        else:
-            rows = self._sampled_step(batch)
-        finished = []
-        for slot, (s, row) in enumerate(zip(batch, rows)):
-            length = row[T]
-            self.tkv.lengths[slot] += length
-            if self.drafter is not None:      # the drafter encoded the last iteration's rows (1 after prefill)
-                self.dkv.lengths[slot] += s.result.accept_lengths[-1] if s.result.accept_lengths else 1
-                s.result.drafter_calls += 1
-            s.result.target_calls += 1
-            s.result.accept_lengths.append(length)
-            s.extend(row[:length], self.eos_ids)
-            if s.stop:
-                finished.append(s)
-        for s in finished:
-            self._leave(self.active.index(s))
-        self.step_seconds += time.perf_counter() - start
-        return finished
-
-    def _sampled_step(self, batch: list[Sequence]) -> list[list[int]]:
-        """Draft and verify on the device, accept on the host (each sampled sequence with its own
-        generator, as SpeculativeDecoder does; greedy ones take the device's paths), commit on
-        the device."""
-        B, T = len(batch), self.nodes + 1
+            self._committed([row[T] for row in rows])
+            self.step_seconds += time.perf_counter() - start
+            return Verified(rows, T, self.nodes, drafted, committed=True)
         out = self.verified[B] = self.replayer.run(self.draft_verify, B)
-        greedy = torch.cat((out["path"], out["length"][:, None], out["tokens"]), 1).tolist()
-        accepted = []
-        for i, s in enumerate(batch):
-            row = greedy[i]
-            if not s.request.sampling.greedy:
-                tree = root_only_tree() if self.drafter is None else DraftTree(
-                    out["tree_tokens"][i].cpu(), out["tree_parents"][i].cpu(), out["mask"][i].cpu(),
-                    torch.zeros(0), torch.zeros(0))
-                path, bonus = accept_sampled(tree, out["logits"][i], s.request.sampling, s.gen)
-                ids = out["ids"][i].tolist()
-                new = [ids[j] for j in path[1:]] + [bonus]
-                row = path + [0] * (T - len(path)) + [len(path)] + new + [0] * (T - len(new))
-            accepted.append(row)
-        self.accepted_in[:B] = torch.tensor(accepted)
-        return self.replayer.run(self.commit_accepted, B).tolist()
+        rows = torch.cat((out["path"], out["length"][:, None], out["tokens"]), 1).tolist()
+
+        def tree(i: int) -> DraftTree:
+            if self.drafter is None:
+                return root_only_tree()
+            return DraftTree(out["tree_tokens"][i].cpu(), out["tree_parents"][i].cpu(), out["mask"][i].cpu(),
+                             torch.zeros(0), torch.zeros(0))
+        self.step_seconds += time.perf_counter() - start
+        return Verified(rows, T, self.nodes, drafted, logits=out["logits"], ids=out["ids"], tree=tree)
+
+    @torch.no_grad()
+    def commit(self, paths, tokens) -> None:
+        """Steps 4-5 on the device with the host's acceptance (a batch with sampled sequences)."""
+        start, B, T = time.perf_counter(), len(paths), self.nodes + 1
+        self.accepted_in[:B] = torch.tensor([p + [0] * (T - len(p)) + [len(p)] + t + [0] * (T - len(t))
+                                             for p, t in zip(paths, tokens)])
+        self.replayer.run(self.commit_accepted, B)
+        self._committed([len(p) for p in paths])
+        self.step_seconds += time.perf_counter() - start
+
+    def _committed(self, lengths: list[int]) -> None:
+        """The host's copy of each slot's committed rows: the target's grew by the accepted
+        path, the drafter's by the hand-off it encoded this iteration (1 after a prefill)."""
+        for slot, length in enumerate(lengths):
+            self.tkv.lengths[slot] += length
+            if self.drafter is not None:
+                self.dkv.lengths[slot] += self.handed[slot]
+                self.handed[slot] = length

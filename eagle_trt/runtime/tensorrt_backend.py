@@ -38,7 +38,8 @@ except ImportError as exc:   # the message names what is missing, not just the m
 import torch
 
 from ..config import TreeShape
-from .backend import DrafterBackend, TargetBackend, tree_from_outputs
+from ..graph_names import ACCEPT_OUTPUTS
+from .backend import DrafterBackend, TargetBackend, Verification, tree_from_outputs
 from .kv_cache import CHUNK
 
 TORCH_OF = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
@@ -258,11 +259,9 @@ class TrtTarget(TargetBackend):
         # Everything stays on the GPU: greedy acceptance comes out of the engine (its accept_*
         # outputs), and only the accepted paths and tokens are copied to the host by the decoder;
         # sampled acceptance reads the logits rows it needs.
-        logits = outputs["logits"]
-        if "accept_path" in outputs:
-            self._graph_accept = (logits, outputs["accept_path"], outputs["accept_length"], outputs["accept_tokens"])
+        accepted = tuple(outputs[n] for n in ACCEPT_OUTPUTS) if ACCEPT_OUTPUTS[0] in outputs else None
         new = [outputs[f"new_{kv}_{i}"] for i in range(self.num_layers) for kv in ("key", "value")]
-        return logits, outputs["captured"], new[0::2], new[1::2]
+        return Verification(outputs["logits"], outputs["captured"], accepted=accepted), new[0::2], new[1::2]
 
 
 class TrtDrafter(DrafterBackend):

@@ -31,8 +31,10 @@ import torch
 
 from ..config import SamplingConfig, TreeShape
 from .cost import NodeTrim
-from .decoder import GenerationResult, SpeculativeDecoder, generate_autoregressive
+from .loop import DecodingLoop, GenerationResult
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from .ort_engines import OrtBackends, open_backends
+from .two_call import TwoCallEngine
 
 HOST_THREADS = 1
 
@@ -105,28 +107,37 @@ class Compared(NamedTuple):
 @dataclass
 class OrtDecoding:
     """Speculative and plain decoding on the same ONNX graphs, each in its fastest session setting."""
-    target: OrtTarget          # verification; spins only inside a call (alternates with the drafter)
-    drafter: OrtDrafter
+    backends: OrtBackends      # the speculative loop's: verification spins only inside a call (alternates with the drafter)
     plain: OrtTarget           # the baseline's own session of the same target graph, spinning
-    decoder: SpeculativeDecoder
+    decoder: DecodingLoop      # speculative, on `backends`
+    plain_decoder: DecodingLoop
     eos: set[int]
-    iteration: OrtIteration | None = None   # drafting + verification in one call, where given a graph
 
     @classmethod
-    def open(cls, target_graph: str | Path, drafter_graph: str | Path, shape: TreeShape, max_context: int,
-             eos: set[int], vocab_size: int, threads: int | None = None, target: OrtTarget | None = None,
-             trim: bool = False, iteration_graph: str | Path | None = None) -> OrtDecoding:
-        """iteration_graph: the two graphs composed into one (export/iteration.py): each
-        speculative iteration is then one call of it (the drafter graph still catches up on
-        prompts); it verifies every node, so it takes no trim."""
+    def open(cls, graphs: dict[str, str | Path], shape: TreeShape, max_context: int, eos: set[int], vocab_size: int,
+             threads: int | None = None, target: OrtTarget | None = None, trim: bool = False,
+             precision: dict[str, str] | None = None) -> OrtDecoding:
+        """graphs: 'target', 'drafter_tree' and optionally 'iteration' (the two composed,
+        export/iteration.py: each speculative iteration is then one call of it, the drafter graph
+        still catching up on prompts; it verifies every node, so it takes no trim)."""
         threads = ort_threads(threads)
-        target = target or OrtTarget(target_graph, max_context, threads)
-        drafter = OrtDrafter(drafter_graph, shape, threads)
-        plain = OrtTarget(target_graph, max_context, threads, spin="always")
-        iteration = OrtIteration(iteration_graph, target, drafter, threads) if iteration_graph is not None else None
-        decoder = SpeculativeDecoder(target, drafter, eos, vocab_size, trim=NodeTrim() if trim else None,
-                                     iteration=iteration)
-        return cls(target, drafter, plain, decoder, eos, iteration)
+        backends = open_backends(graphs, shape, max_context, threads=threads, target=target, precision=precision)
+        plain = open_backends({"target": graphs["target"]}, None, max_context, threads=threads, spin="always",
+                              precision=precision).target
+        decoder = DecodingLoop(backends.engine(trim=NodeTrim() if trim else None), eos, vocab_size)
+        return cls(backends, plain, decoder, DecodingLoop(TwoCallEngine(plain), eos, vocab_size), eos)
+
+    @property
+    def target(self) -> OrtTarget:
+        return self.backends.target
+
+    @property
+    def drafter(self) -> OrtDrafter:
+        return self.backends.drafter
+
+    @property
+    def iteration(self) -> OrtIteration | None:
+        return getattr(self.decoder.engine, "iteration", None)     # None: no graph, or node trim's two calls
 
     @property
     def sessions(self) -> dict[str, OrtTarget | OrtDrafter | OrtIteration]:
@@ -137,7 +148,7 @@ class OrtDecoding:
     def warm_up(self, ids: list[int], tokens: int = 8) -> None:
         with decoding_threads():
             self.decoder.generate(ids, tokens)
-            generate_autoregressive(self.plain, ids, tokens, self.eos)
+            self.plain_decoder.generate(ids, tokens)
 
     def speculative(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None):
         with decoding_threads():
@@ -145,7 +156,7 @@ class OrtDecoding:
 
     def autoregressive(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None):
         with decoding_threads():
-            return generate_autoregressive(self.plain, ids, max_new_tokens, self.eos, sampling)
+            return self.plain_decoder.generate(ids, max_new_tokens, sampling)
 
     def compare(self, ids: list[int], max_new_tokens: int, repeats: int = 2,
                 sampling: SamplingConfig | None = None) -> Compared:

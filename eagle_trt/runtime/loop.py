@@ -1,0 +1,271 @@
+"""The decoding loop over a batch of sequences, with continuous batching; what one iteration
+computes is an engine's.
+
+The loop owns what every engine shares: admission (a request is checked, then prefilled into the
+next slot), each sequence's bookkeeping (tokens, accept lengths, calls, token times), stop checks
+(EOS, max_new_tokens, a client that stopped), streaming (`on_tokens`), and sampled acceptance
+(verify.accept_sampled on the host, each sequence with its own seeded generator). Sequences
+join between iterations (`add`) and leave the moment they finish, the last slot moving into the
+freed one, so the running sequences are always slots 0..B-1 (`active[i]` is slot i).
+
+An engine owns the caches and the graph calls (`Engine`):
+  - `prefill(prompt, max_new_tokens, pick)`: the prompt into the next slot; its first token;
+  - `iterate(batch, greedy)`: draft and verify every running sequence, returning `Verified`, its
+    greedy acceptance as host ints (and what sampled acceptance reads); with `greedy` (every
+    sequence greedy) it may commit that acceptance itself, a whole iteration in one graph;
+  - `commit(paths, tokens)`: keep each sequence's accepted rows (unless it committed already);
+  - `leave(slot)`: free a slot, the last sequence moving into it.
+The engines: `static.StaticEngine` (PyTorch at fixed shapes, each iteration one CUDA graph on a
+GPU), `two_call.TwoCallEngine` (a drafter and a target backend called in turn: ONNX Runtime,
+TensorRT, Triton BLS; the cost model and node trim) and `two_call.IterationEngine` (ONNX
+Runtime's iteration graph: drafting and verification in one call). Without a drafter an engine
+decodes plainly, through the same loop. `generate` is the loop with one sequence."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..config import ConfigError, SamplingConfig
+from ..tree import DraftTree
+from ..verify import accept_sampled, sample_token
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                      # generated ids, prompt excluded
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per verify call, bonus included
+    target_calls: int = 0                  # prefill included
+    drafter_calls: int = 0                 # drafting iterations (encoding the prompt is part of prefill)
+    seconds: float = 0.0
+    prompt_tokens: int = 0
+    stop_reason: str = ""                  # "eos", "max_new_tokens" or "cancelled" (on_tokens said stop)
+    token_times: list[float] = field(default_factory=list)   # seconds from submission to each token being final
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), mean_accept_length=self.mean_accept_length)
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, vocab_size: int | None = None,
+                  context: str = "the target's context", source: str = "max_position_embeddings") -> None:
+    if len(prompt_ids) == 0:
+        raise ConfigError("the prompt is empty: nothing to condition on")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if len(prompt_ids) + max_new_tokens > max_context:
+        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                          f"{context} of {max_context} tokens ({source})")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
+        raise ConfigError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _finish(done: int, new: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str | None]:
+    """What a sequence with `done` tokens (none of them EOS: it would have stopped) keeps of
+    `new`, and why it stops (None: it goes on). Only the new tokens are looked at."""
+    new = new[:max_new_tokens - done]
+    for i, t in enumerate(new):
+        if t in eos_ids:
+            return new[: i + 1], "eos"
+    return new, "max_new_tokens" if done + len(new) >= max_new_tokens else None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    on_tokens: Callable[[list[int]], bool | None] | None = None   # streams final tokens; False stops early
+    submitted: float | None = None   # perf_counter() when the request arrived: result times count from it
+
+
+class Sequence:
+    """One request's decoding state inside the batch (the engine holds its caches)."""
+
+    def __init__(self, request: Request, gen: torch.Generator | None, start: float):
+        self.request, self.gen, self.start = request, gen, start
+        self.result = GenerationResult(tokens=[], prompt_tokens=len(request.prompt_ids))
+        self.emitted = 0
+        self.stop: str | None = None
+
+    def extend(self, new: list[int], eos_ids: set[int]) -> None:
+        r = self.result
+        now = time.perf_counter() - self.start
+        kept, self.stop = _finish(len(r.tokens), new, self.request.max_new_tokens, eos_ids)
+        r.tokens += kept
+        on_tokens = self.request.on_tokens
+        if len(r.tokens) > self.emitted:
+            r.token_times += [now] * (len(r.tokens) - self.emitted)
+            if on_tokens is not None and on_tokens(r.tokens[self.emitted:]) is False:
+                self.stop = self.stop or "cancelled"
+            self.emitted = len(r.tokens)
+        if self.stop:
+            r.stop_reason, r.seconds = self.stop, now
+
+
+@dataclass
+class Verified:
+    """One iteration's verification of the running batch, as an engine hands it to the loop.
+    greedy: per sequence [*path (K), length, *tokens (K), ...] as host ints, the engine's greedy
+    acceptance: the verified rows on the accepted path (root first), how many, and the tokens
+    they add (the accepted drafts, then the target's bonus token); width K. committed: the
+    engine committed those paths itself (every sequence greedy). For sampled sequences: logits
+    [B, T, V], ids [B, T] (root, then the tree's tokens) and tree(i), sequence i's verified tree
+    on the host."""
+    greedy: list[list[int]]
+    width: int
+    nodes: int                   # draft nodes verified per sequence (0: a step of plain decoding)
+    drafted: bool                # the drafter drafted this iteration
+    committed: bool = False
+    logits: Tensor | None = None
+    ids: Tensor | None = None
+    tree: Callable[[int], DraftTree] | None = None
+
+
+class Engine:
+    """What the loop asks of an engine (see the module docstring). `nodes`: draft nodes a tree
+    has (0: plain decoding); `max_context`: the longest prompt + new tokens it takes;
+    `max_batch`: the most sequences it runs at once (None: no bound)."""
+    nodes: int = 0
+    max_context: int
+    max_batch: int | None = None
+    context = ("the target's context", "max_position_embeddings")   # how check names max_context
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int, vocab_size: int | None) -> None:
+        """Raise ConfigError for a request the engine would refuse, before it touches a cache."""
+        check_request(prompt_ids, max_new_tokens, self.max_context, vocab_size, *self.context)
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int, pick: Callable[[Tensor], int] | None) -> int:
+        """A new sequence in the next slot, its prompt prefilled; returns its first token: the
+        greedy one (pick None), else pick(the last row's logits [V])."""
+        raise NotImplementedError
+
+    def iterate(self, batch: list[Sequence], greedy: bool) -> Verified:
+        raise NotImplementedError
+
+    def commit(self, paths: list[list[int]], tokens: list[list[int]]) -> None:
+        """Keep each sequence's accepted rows (paths[i], verified rows root first) and tokens."""
+        raise NotImplementedError
+
+    def leave(self, slot: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def backends(self) -> tuple:
+        """The graph sessions whose calls it times (graph_seconds; runtime/timing.py)."""
+        return ()
+
+
+class DecodingLoop:
+    """Requests join (`add`), every running sequence advances one iteration per `step`, and the
+    offline entry points below drive the two; `engine` computes the iterations. verified: the
+    draft nodes verified per sequence, per iteration (what a cost model chose)."""
+
+    def __init__(self, engine: Engine, eos_ids: set[int] | list[int], vocab_size: int | None = None):
+        self.engine = engine
+        self.eos_ids = set(eos_ids)
+        self.vocab_size = vocab_size
+        self.active: list[Sequence] = []
+        self.verified: list[int] = []
+
+    def reset(self) -> None:
+        self.active = []
+        self.engine.reset()
+
+    def add(self, request: Request) -> Sequence:
+        """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
+        for a request the engine would refuse, before touching the caches."""
+        sampling = (request.sampling or SamplingConfig()).validate()
+        request.sampling = sampling
+        self.engine.check(request.prompt_ids, request.max_new_tokens, self.vocab_size)
+        limit = self.engine.max_batch
+        if limit is not None and len(self.active) >= limit:
+            raise ConfigError(f"the batch is full: {limit} sequences (max_batch)")
+        if not self.active:   # nothing running: start from fresh caches
+            self.engine.reset()
+        seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+                       request.submitted or time.perf_counter())
+        pick = None if sampling.greedy else (lambda logits: sample_token(logits, sampling, seq.gen))
+        first = self.engine.prefill(request.prompt_ids, request.max_new_tokens, pick)
+        seq.result.target_calls = 1
+        self.active.append(seq)
+        seq.extend([first], self.eos_ids)
+        if seq.stop:
+            self._leave(len(self.active) - 1)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One iteration for every running sequence; returns those that finished in it."""
+        batch = list(self.active)
+        if not batch:
+            return []
+        v = self.engine.iterate(batch, all(s.request.sampling.greedy for s in batch))
+        K, paths, news = v.width, [], []
+        for i, (row, s) in enumerate(zip(v.greedy, batch)):
+            sampling = s.request.sampling
+            if sampling.greedy:
+                length = row[K]
+                path, new = row[:length], row[K + 1:K + 1 + length]
+            else:
+                path, bonus = accept_sampled(v.tree(i), v.logits[i], sampling, s.gen)
+                ids = v.ids[i].tolist()
+                new = [ids[j] for j in path[1:]] + [bonus]
+            paths.append(path)
+            news.append(new)
+        if not v.committed:
+            self.engine.commit(paths, news)
+        self.verified.append(v.nodes)
+        finished = []
+        for s, new in zip(batch, news):
+            r = s.result
+            r.target_calls += 1
+            r.drafter_calls += v.drafted
+            r.accept_lengths.append(len(new))
+            s.extend(new, self.eos_ids)
+            if s.stop:
+                finished.append(s)
+        for s in finished:   # free slots at once; the last sequence moves into the freed slot
+            self._leave(self.active.index(s))
+        return finished
+
+    def _leave(self, slot: int) -> None:
+        self.engine.leave(slot)
+        self.active[slot] = self.active[-1]
+        self.active.pop()
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Drop a sequence between steps (its client went away)."""
+        if seq in self.active:
+            seq.stop = seq.result.stop_reason = reason
+            seq.result.seconds = time.perf_counter() - seq.start
+            self._leave(self.active.index(seq))
+
+    def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
+        """Decode every request, at most max_batch at a time: a request joins as soon as a running
+        one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
+        if self.engine.max_batch is not None:
+            max_batch = min(max_batch, self.engine.max_batch)
+        waiting, seqs = list(requests), []
+        now = time.perf_counter()
+        for r in waiting:
+            r.submitted = r.submitted or now
+        while waiting or self.active:
+            while waiting and len(self.active) < max_batch:
+                seqs.append(self.add(waiting.pop(0)))
+            self.step()
+        return [s.result for s in seqs]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+        """One sequence: on_tokens(ids) streams the tokens as they become final; returning False stops early."""
+        return self.generate_batch([Request(prompt_ids, max_new_tokens, sampling or SamplingConfig(), on_tokens)], 1)[0]
