@@ -136,7 +136,7 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
             why = ort_cuda_available()
             if why is not None:
                 raise ConfigError(f"--backend onnxruntime --device cuda: {why}; or use --backend torch for CUDA")
-            from .parity_sessions import PROVIDERS
+            from .runtime.sessions import PROVIDERS
             providers = PROVIDERS["cuda"]
         device = "cpu"          # the models are traced on the CPU; the sessions run on `providers`
     models = prepare_models(target_spec, drafter_path, dtype, log, device)

@@ -42,7 +42,7 @@ import torch
 from . import concurrency
 from .api import prepare_models
 from .checkpoints import CheckpointError, cache_dir
-from .config import ConfigError, SamplingConfig, TreeShape
+from .config import ConfigError, SamplingConfig, TreeShape, parse_tree
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .evaluate import depth_rates
 from .export import export_pipeline
@@ -59,13 +59,6 @@ TORCH_MODES = ("torch-autoregressive", "torch-speculative")
 # --tree auto tries these: chains and small trees suit hardware where verifying more tokens
 # costs noticeably more than one (a CPU), wider trees the memory-bound regime of a GPU.
 TREE_CANDIDATES = "2,1,2;3,1,3;3,2,4;4,2,6;4,4,12;5,4,16"
-
-
-def parse_tree(text: str) -> TreeShape:
-    parts = text.split(",")
-    if len(parts) != 3 or not all(x.strip().isdigit() for x in parts):
-        raise ConfigError(f"tree {text!r}: expected depth,top_k,total_tokens (e.g. 3,2,4)")
-    return TreeShape(*(int(x) for x in parts)).validate()
 
 
 DRAFTER_WEIGHTS = {"float32": "drafter_tree", "int8": "drafter_tree_int8"}

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from .config import ConfigError, DrafterConfig, TargetConfig, read_json
 from .models.drafter import EagleDrafter
 from .models.target import LlamaTarget
-from .tensor_files import CheckpointError, TensorFiles
+from .tensor_files import HF_PREFIX, CheckpointError, TensorFiles, check_shapes, load_tokenizer, parameters_on_meta
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,44 +74,6 @@ def rename_tensors(tensors: dict[str, torch.Tensor], rename) -> tuple[dict[str, 
     return out, origin
 
 
-def _file_namer(origin: dict[str, str]):
-    """Module name -> the name this file would give it, learned from the names the file has:
-    per top-level module, the prefix the file uses in its place (`midlayer.` -> `layers.0.`,
-    `layers.` -> `model.layers.`)."""
-    heads: dict[str, tuple[str, str]] = {}
-    for name, key in origin.items():
-        common = 0
-        while common < min(len(name), len(key)) and name[-1 - common] == key[-1 - common]:
-            common += 1
-        heads.setdefault(name.split(".", 1)[0], (name[:len(name) - common], key[:len(key) - common]))
-
-    def file_name(name: str) -> str:
-        ours, theirs = heads.get(name.split(".", 1)[0], ("", ""))
-        return theirs + name[len(ours):] if name.startswith(ours) else name
-    return file_name
-
-
-def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path,
-                 optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
-    """Every expected tensor found with its shape and nothing more (both {module name: shape}),
-    naming every missing, unexpected or mis-shaped tensor as the file names it (`origin`:
-    module name -> file name, from rename_tensors)."""
-    file_name = _file_namer(origin) if origin else (lambda name: name)
-    missing = sorted(file_name(k) for k in expected if k not in found and k not in optional)
-    extra = sorted(file_name(k) for k in found if k not in expected)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {missing}")
-        if extra:
-            parts.append(f"unexpected tensors {extra}")
-        raise CheckpointError(f"{source}: " + "; ".join(parts))
-    for name, shape in found.items():
-        if tuple(shape) != tuple(expected[name]):
-            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(shape)}, "
-                                  f"the config implies {tuple(expected[name])}")
-
-
 def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path,
                optional: tuple[str, ...] = (), origin: dict[str, str] | None = None, assign: bool = False) -> None:
     """Copy tensors into `module`, naming every missing, unexpected or mis-shaped tensor as
@@ -120,23 +82,6 @@ def load_exact(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source
     check_shapes({k: tuple(v.shape) for k, v in module.state_dict().items()},
                  {k: tuple(v.shape) for k, v in tensors.items()}, source, optional, origin)
     module.load_state_dict(tensors, strict=False, assign=assign)
-
-
-@contextmanager
-def parameters_on_meta():
-    """Modules built inside get their parameters on the meta device (no memory, no random
-    init) and their buffers as usual; load_exact(..., assign=True) then gives them weights."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":    # a meta one is shared (tied): keep it
-            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
-        register(module, name, param)
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
 
 
 # ----------------------------------------------------------------------------- target
@@ -148,11 +93,7 @@ class LoadedTarget:
     folder: Path
 
     def tokenizer(self):
-        from transformers import AutoTokenizer
-        try:
-            return AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"{self.folder}: cannot load a tokenizer ({exc})") from None
+        return load_tokenizer(self.folder)
 
 
 def smollm2_gguf() -> Path:
@@ -224,9 +165,6 @@ def resolve_target(spec: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json in the target folder")
     return path
-
-
-HF_PREFIX = re.compile(r"^model\.")     # transformers' names: model.layers.0... for our layers.0...
 
 
 def load_target(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedTarget:

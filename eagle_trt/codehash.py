@@ -30,7 +30,7 @@ def _source(module: str, root: Path) -> Path | None:
     return None
 
 
-def _imports(module: str, tree: ast.AST, is_package: bool) -> set[str]:
+def imported_names(module: str, tree: ast.AST, is_package: bool) -> set[str]:
     """The package modules a module's source names in its imports (candidates: a name imported
     from a package may be a submodule or an attribute; _source sorts them out)."""
     package = module if is_package else module.rpartition(".")[0]
@@ -70,7 +70,7 @@ def module_closure(*modules: str, root: Path = PACKAGE_DIR) -> dict[str, Path]:
         if name in seen or path is None:
             continue
         seen[name] = path
-        todo += _imports(name, ast.parse(path.read_text(), str(path)), path.name == "__init__.py")
+        todo += imported_names(name, ast.parse(path.read_text(), str(path)), path.name == "__init__.py")
     missing = [m for m in modules if m not in seen]
     if missing:
         raise ValueError(f"no module {missing} under {root}")

@@ -268,6 +268,14 @@ class TreeShape:
         return max(1, math.ceil(math.log2(self.depth + 1)))
 
 
+def parse_tree(text: str) -> TreeShape:
+    """A tree shape as the command lines take it: depth,top_k,total_tokens."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(x.strip().isdigit() for x in parts):
+        raise ConfigError(f"tree {text!r}: expected depth,top_k,total_tokens (e.g. 3,2,4)")
+    return TreeShape(*(int(x) for x in parts)).validate()
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 0.0   # 0: greedy
@@ -290,4 +298,4 @@ class SamplingConfig:
 
 
 __all__ = ["Arch", "CaptureLayers", "ConfigError", "DrafterConfig", "SamplingConfig", "TargetConfig", "TreeShape",
-           "read_json"]
+           "parse_tree", "read_json"]

@@ -39,8 +39,8 @@ from .api import onnxruntime_backends, ort_cuda_available, prepare_models
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, TreeShape
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
-from .parity_sessions import PROVIDERS
 from .runtime.loop import DecodingLoop, Request
+from .runtime.sessions import PROVIDERS
 from .runtime.static import StaticEngine
 from .workloads import build
 
@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        from .bench import parse_tree
+        from .config import parse_tree
         shapes = [parse_tree(t) for t in args.tree.split(";") if t.strip()]
         if args.threads:
             torch.set_num_threads(args.threads)

@@ -25,20 +25,13 @@ import torch
 from torch import nn
 
 from .config import TreeShape
-from .export.graphs import (
-    ACCEPT_OUTPUTS,
-    DRAFT_TREE_OUTPUTS,
-    DraftTreeGraph,
-    DrafterStepGraph,
-    TargetGraph,
-    target_graph_outputs,
-    target_io_names,
-)
-from .export.iteration import HANDOFF, PREFIX, VERIFY_NODES
+from .export.graphs import DraftTreeGraph, DrafterStepGraph, TargetGraph, target_graph_outputs
+from .graph_names import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, HANDOFF, PREFIX, VERIFY_NODES, target_io_names
 from .models.drafter import EagleDrafter
 from .models.streamed import StreamedTarget, TargetCall
 from .models.target import LlamaTarget, causal_mask
-from .parity_sessions import PROVIDERS, WeightsFed, parity_session  # noqa: F401 - parity's sessions
+from .parity_sessions import WeightsFed, parity_session  # noqa: F401 - parity's sessions
+from .runtime.sessions import PROVIDERS
 
 # Allowed error per output kind and dtype, as (atol, rtol); an element passes when within
 # either (Polygraphy's element-wise rule). Logits use absolute bounds. The captured states and

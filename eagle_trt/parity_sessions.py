@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+from .runtime.sessions import PROVIDERS, make_session
 
 
 def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "cpu"):
@@ -28,7 +27,6 @@ def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "c
     (onnxruntime-gpu) on the graph as it is, its weights on the GPU."""
     import onnxruntime as ort
     if provider != "cpu":
-        from .runtime.onnxruntime_backend import make_session
         return make_session(graph, providers=PROVIDERS[provider], level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
@@ -117,4 +115,4 @@ def pages_dropped(maps: list[mmap.mmap], every: float = 0.2):
         drop()
 
 
-__all__ = ["FED_TYPES", "PROVIDERS", "WeightsFed", "pages_dropped", "parity_session"]
+__all__ = ["FED_TYPES", "WeightsFed", "pages_dropped", "parity_session"]

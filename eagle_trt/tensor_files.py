@@ -10,12 +10,19 @@ tensor into memory with plain reads into the tensor's own buffer: no mapping of 
 in the process, so going through an 8B checkpoint layer by layer holds one layer at a time.
 
 pytorch_model.bin checkpoints are read through torch.load's memory map (their format has no
-header to read first); GGUF targets are converted to safetensors once (checkpoints.py)."""
+header to read first); GGUF targets are converted to safetensors once (checkpoints.py).
+
+The model's side of the files is here too, below both the checkpoint loaders (checkpoints.py) and
+the streamed target (models/streamed.py), so that models/ never imports checkpoints: the files'
+names for our modules (HF_PREFIX), the found tensors checked against a module's (check_shapes),
+modules built without weights (parameters_on_meta), and the tokenizer saved beside the weights."""
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,4 +183,75 @@ def _read_into(entry: TensorEntry, value: torch.Tensor) -> None:
             done += n
 
 
-__all__ = ["WEIGHT_FILES", "CheckpointError", "TensorEntry", "TensorFiles"]
+# ----------------------------------------------------------------------------- the model's side
+
+HF_PREFIX = re.compile(r"^model\.")     # transformers' names: model.layers.0... for our layers.0...
+
+
+def _file_namer(origin: dict[str, str]):
+    """Module name -> the name this file would give it, learned from the names the file has:
+    per top-level module, the prefix the file uses in its place (`midlayer.` -> `layers.0.`,
+    `layers.` -> `model.layers.`)."""
+    heads: dict[str, tuple[str, str]] = {}
+    for name, key in origin.items():
+        common = 0
+        while common < min(len(name), len(key)) and name[-1 - common] == key[-1 - common]:
+            common += 1
+        heads.setdefault(name.split(".", 1)[0], (name[:len(name) - common], key[:len(key) - common]))
+
+    def file_name(name: str) -> str:
+        ours, theirs = heads.get(name.split(".", 1)[0], ("", ""))
+        return theirs + name[len(ours):] if name.startswith(ours) else name
+    return file_name
+
+
+def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: Path,
+                 optional: tuple[str, ...] = (), origin: dict[str, str] | None = None) -> None:
+    """Every expected tensor found with its shape and nothing more (both {module name: shape}),
+    naming every missing, unexpected or mis-shaped tensor as the file names it (`origin`:
+    module name -> file name, from checkpoints.rename_tensors)."""
+    file_name = _file_namer(origin) if origin else (lambda name: name)
+    missing = sorted(file_name(k) for k in expected if k not in found and k not in optional)
+    extra = sorted(file_name(k) for k in found if k not in expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing}")
+        if extra:
+            parts.append(f"unexpected tensors {extra}")
+        raise CheckpointError(f"{source}: " + "; ".join(parts))
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise CheckpointError(f"{source}: tensor '{file_name(name)}' has shape {tuple(shape)}, "
+                                  f"the config implies {tuple(expected[name])}")
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no random
+    init) and their buffers as usual; checkpoints.load_exact(..., assign=True) or a StreamedTarget
+    then gives them weights."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":    # a meta one is shared (tied): keep it
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer saved in a checkpoint folder (transformers' files beside the weights)."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: cannot load a tokenizer ({exc})") from None
+
+
+__all__ = ["HF_PREFIX", "WEIGHT_FILES", "CheckpointError", "TensorEntry", "TensorFiles", "check_shapes",
+           "load_tokenizer", "parameters_on_meta"]

@@ -25,9 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from eagle_trt.api import prepare_models, real_prompt_ids
-from eagle_trt.bench import parse_tree
 from eagle_trt.checkpoints import cache_dir
-from eagle_trt.config import SamplingConfig
+from eagle_trt.config import SamplingConfig, parse_tree
 from eagle_trt.export import export_pipeline
 from eagle_trt.runtime.backend import DrafterBackend
 from eagle_trt.runtime.cost import CostModel

@@ -366,7 +366,7 @@ def test_external_data_is_one_named_file_per_graph_and_the_repository_travels(ti
     `<graph>.data` per graph, shared by none, linked into the Triton repository and checked there;
     a copy of the repository loads elsewhere; a deleted or truncated weights file is named."""
     from eagle_trt.export.graph_files import GraphFileError, check_graph_files, graph_files
-    from eagle_trt.quant.run import fp8_session
+    from eagle_trt.runtime.sessions import fp8_session
     monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
     out = tmp_path / "out"
     build(config_from_dict(tiny["data"], "tiny.yaml"), out, log=None)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import eagle_trt
+from eagle_trt.build.pipeline import STAGE_CODE
 from eagle_trt.codehash import code_digest, module_closure
 
 from conftest import capturing
@@ -35,18 +36,19 @@ def test_the_exporters_closure_is_what_it_imports():
     closure = module_closure(EXPORTER)
     assert {"eagle_trt.models.target", "eagle_trt.models.drafter", "eagle_trt.tree", "eagle_trt.verify",
             "eagle_trt.export.graphs", "eagle_trt.export.weights", "eagle_trt.config"} <= set(closure)
-    assert not {"eagle_trt.bench", "eagle_trt.runtime.loop", "eagle_trt.build.pipeline"} & set(closure)
+    assert not {"eagle_trt.bench", "eagle_trt.runtime.loop", "eagle_trt.build.pipeline", "eagle_trt.checkpoints",
+                "eagle_trt.quant.fakequant"} & set(closure)
     with pytest.raises(ValueError, match="no module"):
         module_closure("eagle_trt.no_such_module")
 
 
 @pytest.mark.parametrize("rel, old, new, changes", [
-    ("export/graphs.py", "ACCEPT_OUTPUTS = [", "ACCEPT_OUTPUTS = [] or [", True),       # the exporter itself
+    ("graph_names.py", "ACCEPT_OUTPUTS = [", "ACCEPT_OUTPUTS = [] or [", True),         # the graphs' names
     ("models/target.py", "* (1.0 / math.sqrt(D))", "* (1.0 / math.sqrt(D + 0))", True),   # a module it imports
     ("config.py", "return max(1, math.ceil", "return max(2, math.ceil", True),       # two imports away
     ("models/target.py", "# Reduce in fp32 like transformers does", "# reduce in fp32", False),   # a comment
     ("tree.py", '"""EAGLE-2 dynamic draft tree', '"""The EAGLE-2 draft tree', False),            # a docstring
-    ("bench.py", "def parse_tree(", "def parse_tree_shape(", False),                  # not imported by it
+    ("bench.py", "def main(", "def main_cli(", False),                                # not imported by it
 ])
 def test_a_change_to_the_exporters_code_changes_its_key(tmp_path, rel, old, new, changes):
     root = package_copy(tmp_path)
@@ -55,6 +57,26 @@ def test_a_change_to_the_exporters_code_changes_its_key(tmp_path, rel, old, new,
     edit(root, rel, old, new)
     code_digest.cache_clear()
     assert (code_digest(EXPORTER, root=root) != before) == changes
+
+
+# What keys the export stage's graphs: export_pipeline's code (EXPORTER) and the build's export stage
+EXPORT_KEYS = {"export_pipeline": (EXPORTER,), "build export stage": STAGE_CODE["export"]}
+
+
+@pytest.mark.parametrize("rel, old, new, changes", [
+    ("quant/fakequant.py", "def check_amax(", "def check_amax_of(", False),      # quantization: after export
+    ("quant/run.py", "def run_graph(", "def run_quantized_graph(", False),
+    ("export/onnx_export.py", "DEFAULT_OPSET = 19", "DEFAULT_OPSET = 19 + 0", True),   # the exporter
+])
+def test_the_export_stages_key_follows_only_the_code_it_runs(tmp_path, rel, old, new, changes):
+    """Imports point down (models/ imports neither quant nor checkpoints): an edit to the
+    quantization code keeps every cached graph, an edit to the exporter re-exports them."""
+    root = package_copy(tmp_path)
+    before = {name: code_digest(*modules, root=root) for name, modules in EXPORT_KEYS.items()}
+    edit(root, rel, old, new)
+    code_digest.cache_clear()
+    after = {name: code_digest(*modules, root=root) for name, modules in EXPORT_KEYS.items()}
+    assert {name: after[name] != before[name] for name in before} == {name: changes for name in before}
 
 
 def test_export_pipeline_exports_again_when_its_code_changes(tiny_target, tiny_drafter, tmp_path, monkeypatch):

@@ -18,13 +18,14 @@ from eagle_trt.api import load_pipeline, ort_cuda_available
 from eagle_trt.config import ConfigError, TreeShape
 from eagle_trt.export import (UnsupportedGraph, check_graph, export_drafter_step,
                               export_drafter_tree, export_target)
-from eagle_trt.export.graphs import kv_heads_and_dim
 from eagle_trt.export.iteration import compose_iteration
 from eagle_trt.export.opcheck import find_problems
+from eagle_trt.graph_names import kv_heads_and_dim
 from eagle_trt.parity import check_case, drafter_cases, iteration_case, target_case
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
-from eagle_trt.runtime.onnxruntime_backend import SPIN_MODES, OrtDrafter, OrtTarget, make_session
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 from eagle_trt.runtime.ort_binding import Binding, bind_past
+from eagle_trt.runtime.sessions import SPIN_MODES, make_session
 from eagle_trt.tree import DraftTree
 
 from conftest import PlantedDrafter, capturing, two_call

@@ -13,8 +13,8 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import check_graph, export_drafter_step, export_drafter_tree, export_target
 from eagle_trt.models.target import causal_mask
 from eagle_trt.export.iteration import compose_iteration
-from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, layer_parity, linear_paths, module_for_node, quantize_model, quantize_onnx, quantized_copy,
-                             run_graph)
+from eagle_trt.quant import (QuantConfig, QuantError, calibrate_drafter, calibrate_target, layer_parity, linear_paths,
+                             module_for_node, quantize_model, quantize_onnx, quantized_copy, run_graph)
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.loop import Request

@@ -165,8 +165,8 @@ def test_calibration_and_the_fake_quant_check_part_by_part_are_the_loaded_models
     from eagle_trt.config import TreeShape
     from eagle_trt.export import export_target
     from eagle_trt.parity import _target_feed, target_outputs
-    from eagle_trt.quant import (QuantConfig, calibrate_drafter, calibrate_target, layer_parity, linear_paths,
-                                 quantize_onnx, quantized_copy)
+    from eagle_trt.quant import (LinearQuantizer, QuantConfig, calibrate_drafter, calibrate_target, layer_parity,
+                                 linear_paths, quantize_onnx, quantized_copy)
     loaded, streamed, drafter = pair
     prompts = [list(range(3, 20)), list(range(30, 41))]
     amax = calibrate_target(loaded.model, prompts)
@@ -181,7 +181,7 @@ def test_calibration_and_the_fake_quant_check_part_by_part_are_the_loaded_models
     quantize_onnx(export_target(streamed, tmp_path / "target.onnx").path, graph, cfg, amax, linear_paths(loaded.model))
     reference, _ = quantized_copy(loaded.model, cfg, amax)
     fake_quant = streamed.with_dtype(torch.float32)
-    fake_quant.fake_quant = (cfg, amax, "test")
+    fake_quant.fake_quant = LinearQuantizer(cfg, amax, "test")
     L = loaded.config.num_hidden_layers
     empty = [(torch.zeros(1, loaded.config.num_key_value_heads, 0, loaded.config.head_dim),) * 2] * L
     feed = _target_feed(torch.tensor([prompts[0]]), torch.arange(17)[None], causal_mask(17, 0), empty)

@@ -133,13 +133,13 @@ def _fake_quant_reference(b, model: str, module):
     """`module` (the float model of 'target' or 'drafter', in its precision's dtype) made the
     fake-quant reference: its quantized Linears hold FP8 / FP4 weights, not float ones (a
     StreamedTarget's as each part is read; a loaded module's in place)."""
-    from ..quant import QuantConfig, load_calibration, quantize_model
+    from ..quant import LinearQuantizer, QuantConfig, load_calibration, quantize_model
     p = getattr(b.cfg.precision, model)
     source = b.path("quantize", f"{model}.amax.json")
     cfg = QuantConfig(format=p.format, per_channel=p.per_channel, skip=tuple(p.skip))
     if isinstance(module, StreamedTarget):
         module = module.with_dtype(module.dtype)
-        module.fake_quant = (cfg, load_calibration(source), str(source))
+        module.fake_quant = LinearQuantizer(cfg, load_calibration(source), str(source))
         return module
     quantize_model(module, cfg, load_calibration(source), source=str(source))
     return module.eval()

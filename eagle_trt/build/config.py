@@ -179,7 +179,7 @@ class ServingSection:
     drafter_weights: Literal["auto", "int8", "float"] = "auto"
     # Where ONNX Runtime serves: the drafter and target graphs composed into one iteration graph
     # (export/iteration.py), one call for each iteration that drafts. auto: on (FP8 graphs
-    # too, run with their own session settings: quant/run.py Fp8OrtIteration).
+    # too, run with their own session settings: runtime/sessions.py FP8_SESSION).
     iteration_graph: Literal["auto", "on", "off"] = "auto"
     # What serves where there are no engines: ONNX Runtime in-process on the built graphs, or the
     # PyTorch models (torch) with each iteration replayed as one CUDA graph per batch size

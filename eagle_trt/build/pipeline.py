@@ -368,7 +368,7 @@ class Build:
     def ort_iteration_graph(self) -> bool:
         """Whether ONNX Runtime serves the iteration graph (serving.iteration_graph; auto: on,
         FP8 graphs included since the Triton model runs them with their own session settings:
-        quant/run.py Fp8OrtIteration)."""
+        runtime/sessions.py FP8_SESSION)."""
         return self.cfg.serving.iteration_graph in ("on", "auto")
 
     @property

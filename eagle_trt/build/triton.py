@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import BuildConfig
 from ..export.cpu_int8 import quantize_int8
-from ..export.graphs import kv_heads_and_dim
+from ..graph_names import kv_heads_and_dim
 from .engines import input_dims
 from .store import Progress
 

@@ -31,7 +31,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from eagle_trt.config import ConfigError, SamplingConfig, TreeShape
-from eagle_trt.export.graphs import ACCEPT_OUTPUTS
+from eagle_trt.graph_names import ACCEPT_OUTPUTS
 from eagle_trt.runtime.backend import DrafterBackend, TargetBackend, Verification, tree_from_outputs
 from eagle_trt.runtime.cost import CostModel
 from eagle_trt.runtime.kv_cache import CHUNK

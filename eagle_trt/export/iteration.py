@@ -46,15 +46,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..graph_names import HANDOFF, PREFIX, VERIFY_NODES
 from .graph_files import check_graph_files, check_structure, install_graph, load_weights, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
 
-PREFIX = "drafter."
 TARGET_FED = ("input_ids", "position_ids", "attention_mask", "logits_index")   # made by the glue
 GLUE = "iteration_glue/"
-HANDOFF = ("next_captured", "next_input_ids")   # the next call's drafter.captured and drafter.input_ids
-VERIFY_NODES = "verify_nodes"   # [1] i64: how many of the tree's best nodes the call verifies
 ITERATION_FORMAT = 3   # 2: the hand-off outputs; 3: verify_nodes
 
 

@@ -16,8 +16,8 @@ from ..config import TreeShape
 from ..models.drafter import EagleDrafter
 from ..models.streamed import StreamedTarget
 from ..models.target import LlamaTarget, causal_mask
-from .graphs import (DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, DrafterStepGraph,
-                     DraftTreeGraph, TargetGraph, target_io_names)
+from ..graph_names import DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPUTS, DRAFT_TREE_OUTPUTS, target_io_names
+from .graphs import DrafterStepGraph, DraftTreeGraph, TargetGraph
 from .graph_files import install_graph
 from .opcheck import check_graph
 from .weights import Resolver, WeightWritten, attach_weights, stand_in, weights_as_inputs

@@ -12,8 +12,11 @@ arithmetic (LlamaTarget.begin / step / finish), so its outputs are the loaded mo
 while at most one part's weights are in memory. Calibration and parity's references run on it:
 a real-size target is never in memory as a whole, let alone twice.
 
-`fake_quant` makes it the fake-quant reference instead (quant/fakequant.py): each quantized
-Linear of a part becomes its QuantLinear as the part is read, and goes with it."""
+`fake_quant` makes it the fake-quant reference instead: each quantized Linear of a part becomes
+its QuantLinear as the part is read, and goes with it. The quantization code hands that function
+in (quant.fakequant.LinearQuantizer), and the checkpoint helpers come from tensor_files.py, so
+models/ imports neither quant nor checkpoints: the exported graphs' cache keys (codehash.py)
+follow the model's code, not the quantizer's or the loaders'."""
 from __future__ import annotations
 
 import copy
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CaptureLayers, TargetConfig, read_json
-from ..tensor_files import CheckpointError, TensorFiles
+from ..tensor_files import HF_PREFIX, CheckpointError, TensorFiles, check_shapes, load_tokenizer, parameters_on_meta
 from .target import LlamaTarget, TargetOutput
 
 @dataclass
@@ -51,7 +54,6 @@ class WeightRef:
 
 class StreamedTarget:
     def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        from ..checkpoints import HF_PREFIX, check_shapes, parameters_on_meta
         self.folder = Path(folder)
         self.config = TargetConfig.from_hf(read_json(self.folder / "config.json"), str(self.folder / "config.json"))
         self.files = TensorFiles(self.folder)
@@ -59,7 +61,8 @@ class StreamedTarget:
             # its buffers (RoPE's inv_freq) in `dtype`, as a loaded model's and the exported graph's
             self.model = LlamaTarget(self.config).to(dtype).eval()
         self.dtype, self.device = dtype, torch.device(device)
-        self.fake_quant: tuple | None = None     # (QuantConfig, amax, source) while a fake-quant reference
+        # while a fake-quant reference: (module path, Linear) -> what runs in its place, None to keep it
+        self.fake_quant: Callable[[str, nn.Linear], nn.Module | None] | None = None
         names = {HF_PREFIX.sub("", k): k for k in self.files.entries}
         if self.config.tie_word_embeddings:
             names.pop("lm_head.weight", None)    # tied: the embedding is the head
@@ -121,21 +124,19 @@ class StreamedTarget:
                 sub._parameters[attr] = p
 
     def _quantize_parts(self, parts: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Module]]:
-        """Each Linear of the parts that the fake-quant config quantizes replaced by its QuantLinear;
-        returns (parent, attribute, the Linear) to put back."""
-        from ..quant.fakequant import QuantLinear, check_amax
-        cfg, amax, source = self.fake_quant
+        """Each Linear of the parts replaced by what fake_quant makes of it (its QuantLinear; None:
+        kept); returns (parent, attribute, the Linear) to put back."""
         swapped = []
         for part in parts:
             for sub_name, sub in list(self.model.get_submodule(part).named_modules()):
                 path = f"{part}.{sub_name}" if sub_name else part
-                if not isinstance(sub, nn.Linear) or cfg.skip_reason(path, sub.in_features) is not None:
+                quantized = self.fake_quant(path, sub) if isinstance(sub, nn.Linear) else None
+                if quantized is None:
                     continue
-                check_amax(amax, [path], source)
                 parent_path, _, attr = path.rpartition(".")
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
                 swapped.append((parent, attr, sub))
-                setattr(parent, attr, QuantLinear(sub, cfg.format, amax[path], cfg.per_channel))
+                setattr(parent, attr, quantized)
         return swapped
 
     def parts(self) -> list[tuple[str, ...]]:
@@ -147,8 +148,7 @@ class StreamedTarget:
         return self.config
 
     def tokenizer(self):
-        from ..checkpoints import LoadedTarget
-        return LoadedTarget(self.model, self.config, self.folder).tokenizer()
+        return load_tokenizer(self.folder)
 
     # ------------------------------------------------------------------ forward, part by part
 

@@ -6,7 +6,8 @@
     calibrate.py   max calibration on real (non-evaluation) prompts, JSON files
     onnx_qdq.py    rewrite exported graphs into Q/DQ form (FP8 opset 19, NVFP4 opset 23)
     check.py       layer-by-layer parity of a quantized graph with the reference
-    run.py         FP8 graphs on ONNX Runtime (ORT_ENABLE_BASIC), NVFP4 on onnx.reference
+    run.py         a graph run once: FP8 on ONNX Runtime (its settings: runtime/sessions.py), NVFP4 on
+                   onnx.reference
 
 (The int8-weight drafter graph for ONNX Runtime on the CPU, not a TensorRT form, is made by the
 exporters: export/cpu_int8.py.)
@@ -23,13 +24,12 @@ from .calibrate import (AmaxRecorder, calibrate_drafter, calibrate_target, calib
                         load_calibration, save_calibration)
 from .check import LayerParity, layer_parity
 from .config import FORMATS, QuantConfig, QuantError, QuantPlan
-from .fakequant import QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
+from .fakequant import LinearQuantizer, QuantLinear, QuantSummary, linear_paths, quantize_model, quantized_copy
 from .onnx_qdq import QDQSummary, module_for_node, quantize_graph, quantize_onnx
-from .run import (FP8_ORT_LEVEL, Fp8OrtDrafter, Fp8OrtIteration, Fp8OrtTarget, TRT_FP4DynamicQuantize, fp8_backends, fp8_session,
-                  reference_evaluator, run_graph)
+from .run import TRT_FP4DynamicQuantize, reference_evaluator, run_graph
 
-__all__ = ["FORMATS", "FP8_ORT_LEVEL", "AmaxRecorder", "Fp8OrtDrafter", "Fp8OrtIteration", "Fp8OrtTarget", "LayerParity", "QDQSummary",
-           "QuantConfig", "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
-           "calibrate_drafter", "calibrate_target", "calibration_prompts", "calibration_steps", "fp8_backends", "fp8_session",
-           "layer_parity", "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
+__all__ = ["FORMATS", "AmaxRecorder", "LayerParity", "LinearQuantizer", "QDQSummary", "QuantConfig",
+           "QuantError", "QuantLinear", "QuantPlan", "QuantSummary", "TRT_FP4DynamicQuantize",
+           "calibrate_drafter", "calibrate_target", "calibration_prompts", "calibration_steps", "layer_parity",
+           "linear_paths", "load_calibration", "module_for_node", "quantize_graph", "quantize_model",
            "quantize_onnx", "quantized_copy", "reference_evaluator", "run_graph", "save_calibration"]

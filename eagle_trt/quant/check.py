@@ -24,10 +24,11 @@ from torch import nn
 
 from ..export.graph_files import save_graph
 from ..models.streamed import StreamedTarget
+from ..runtime.sessions import fp8_session
 from .config import QuantError
 from .fakequant import QuantLinear, linear_paths
 from .onnx_qdq import module_for_node
-from .run import fp8_session, is_nvfp4_graph, reference_evaluator
+from .run import is_nvfp4_graph, reference_evaluator
 
 
 @dataclass
@@ -165,7 +166,7 @@ def _quantized_paths(reference) -> list[str]:
     """The module paths of the reference's QuantLinears (of a StreamedTarget fake-quant reference:
     those it makes as it reads each part)."""
     if isinstance(reference, StreamedTarget):
-        cfg = reference.fake_quant[0]
+        cfg = reference.fake_quant.cfg
         return [p for p, linear in linear_paths(reference.model).items() if cfg.skip_reason(p, linear.in_features) is None]
     return [path for path, m in reference.named_modules() if isinstance(m, QuantLinear)]
 

@@ -119,6 +119,21 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
     return summary
 
 
+@dataclass(frozen=True)
+class LinearQuantizer:
+    """quantize_model for one Linear at a time, for a model that reads its parts one by one (a
+    StreamedTarget's fake_quant): the Linear at `path` as its QuantLinear, None where cfg skips it."""
+    cfg: QuantConfig
+    amax: dict[str, float]
+    source: str = "calibration"
+
+    def __call__(self, path: str, linear: nn.Linear) -> QuantLinear | None:
+        if self.cfg.skip_reason(path, linear.in_features) is not None:
+            return None
+        check_amax(self.amax, [path], self.source)
+        return QuantLinear(linear, self.cfg.format, self.amax[path], self.cfg.per_channel)
+
+
 def quantized_copy(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
                    source: str = "calibration") -> tuple[nn.Module, QuantSummary]:
     """A deep copy of `model` with quantize_model applied; the original is left unchanged.
@@ -131,4 +146,5 @@ def quantized_copy(model: nn.Module, cfg: QuantConfig, amax: dict[str, float],
     return quantized.eval(), quantize_model(quantized, cfg, amax, source)
 
 
-__all__ = ["QuantLinear", "QuantSummary", "check_amax", "linear_paths", "quantize_model", "quantized_copy"]
+__all__ = ["LinearQuantizer", "QuantLinear", "QuantSummary", "check_amax", "linear_paths", "quantize_model",
+           "quantized_copy"]

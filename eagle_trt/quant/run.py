@@ -1,11 +1,7 @@
 """Running quantized graphs on CPU.
 
-FP8 Q/DQ graphs run on ONNX Runtime, but only at graph optimization ORT_ENABLE_BASIC: at
-higher levels ORT's QDQ fusions either reject FP8 graphs (SmolLM2's fails to load at
-ORT_ENABLE_ALL) or change their results. With the session option `session.disable_quant_qdq`
-the QDQ transformers stay off and constant folding may fold the weights' DequantizeLinear
-nodes into float32 initializers (the same q * scale products); without it every call
-dequantizes every weight again, 2.5x (prefill) to 6x (one token) slower on SmolLM2.
+FP8 Q/DQ graphs run on ONNX Runtime with the session settings in runtime/sessions.py
+(FP8_SESSION, fp8_session).
 
 NVFP4 graphs run on onnx.reference.ReferenceEvaluator (ORT has no FLOAT4E2M1
 DequantizeLinear), with TRT_FP4DynamicQuantize implemented below in numpy + ml_dtypes,
@@ -17,16 +13,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from ..config import TreeShape
-from ..runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from ..runtime.sessions import fp8_session
 from .config import QuantError
-
-FP8_ORT_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
 class TRT_FP4DynamicQuantize(OpRun):
@@ -70,37 +62,6 @@ def reference_evaluator(model: str | Path | onnx.ModelProto) -> ReferenceEvaluat
     return ReferenceEvaluator(model, new_ops=[TRT_FP4DynamicQuantize])
 
 
-# Lets constant folding fold the weights' DequantizeLinear nodes (see the module docstring).
-FP8_SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
-
-
-def fp8_session_options(threads: int | None = 1, fold_weights: bool = True) -> ort.SessionOptions:
-    """fold_weights=False: no graph optimization, so each weight is dequantized when its MatMul
-    runs and freed after it, instead of all held as float32 initializers (a one-off run of a
-    real-size target: the layer parity check)."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = FP8_ORT_LEVEL if fold_weights else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    for key, value in FP8_SESSION_CONFIG.items():
-        so.add_session_config_entry(key, value)
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return so
-
-
-def fp8_session(path: str | Path | bytes, threads: int | None = 1, fold_weights: bool = True) -> ort.InferenceSession:
-    """A CPU session for an FP8 (or float) graph file, or serialized graph bytes."""
-    if not isinstance(path, bytes) and not Path(path).is_file():
-        raise QuantError(f"{path}: ONNX graph not found")
-    try:
-        return ort.InferenceSession(path if isinstance(path, bytes) else str(path),
-                                    fp8_session_options(threads, fold_weights),
-                                    providers=["CPUExecutionProvider"])
-    except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
-        raise QuantError(f"{path if not isinstance(path, bytes) else 'graph'}: ONNX Runtime cannot load this "
-                         f"graph ({exc})") from None
-
-
 def run_graph(path: str | Path, feeds: dict[str, np.ndarray], threads: int | None = 1) -> dict[str, np.ndarray]:
     """Run a float, FP8 or NVFP4 graph once on the engine that runs it correctly here."""
     model = onnx.load(str(path))
@@ -110,37 +71,4 @@ def run_graph(path: str | Path, feeds: dict[str, np.ndarray], threads: int | Non
     return dict(zip(names, fp8_session(Path(path), threads).run(None, feeds)))
 
 
-class Fp8OrtTarget(OrtTarget):
-    """OrtTarget with the FP8 session settings."""
-
-    def __init__(self, path: str | Path, max_context: int, threads: int | None = 1, min_rows: int = 2):
-        # min_rows=2: token-by-token calls take the arithmetic path of verification (see OrtTarget)
-        super().__init__(path, max_context, threads, min_rows=min_rows, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
-
-
-class Fp8OrtDrafter(OrtDrafter):
-    """OrtDrafter with the FP8 session settings."""
-
-    def __init__(self, path: str | Path, shape: TreeShape, threads: int | None = 1):
-        super().__init__(path, shape, threads, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
-
-
-class Fp8OrtIteration(OrtIteration):
-    """OrtIteration with the FP8 session settings: an iteration graph composed of FP8 graphs
-    runs their nodes as Fp8OrtTarget and Fp8OrtDrafter run them (every call has >= 2 target
-    rows, so the 2-row padding never applies)."""
-
-    def __init__(self, path: str | Path, target: OrtTarget, drafter: OrtDrafter, threads: int | None = 1, **kwargs):
-        super().__init__(path, target, drafter, threads, level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG, **kwargs)
-
-
-def fp8_backends(target_graph: str | Path | None, drafter_graph: str | Path | None, shape: TreeShape,
-                 max_context: int, threads: int | None = 1) -> tuple[OrtTarget | None, OrtDrafter | None]:
-    """ONNX Runtime target / drafter-tree backends for FP8 (or float) graphs."""
-    target = Fp8OrtTarget(target_graph, max_context, threads) if target_graph else None
-    drafter = Fp8OrtDrafter(drafter_graph, shape, threads) if drafter_graph else None
-    return target, drafter
-
-
-__all__ = ["FP8_ORT_LEVEL", "FP8_SESSION_CONFIG", "Fp8OrtDrafter", "Fp8OrtIteration", "Fp8OrtTarget", "TRT_FP4DynamicQuantize", "fp8_backends", "fp8_session",
-           "fp8_session_options", "is_nvfp4_graph", "reference_evaluator", "run_graph"]
+__all__ = ["TRT_FP4DynamicQuantize", "is_nvfp4_graph", "reference_evaluator", "run_graph"]

@@ -23,11 +23,12 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..export.graphs import ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, kv_heads_and_dim
-from ..export.iteration import HANDOFF, PREFIX, VERIFY_NODES
+from ..graph_names import (ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, DRAFTER_KV_NAMES, HANDOFF, PREFIX, VERIFY_NODES,
+                           kv_heads_and_dim, target_kv_names)
 from .backend import DrafterBackend, KeptRows, TargetBackend, Verification, logits_rows
 from .kv_cache import CHUNK
 from .ort_binding import Bindings, Bound
+from .sessions import make_session
 
 TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 ONNX_TORCH_DTYPES = {**TORCH_DTYPES, "tensor(int64)": torch.int64, "tensor(bool)": torch.bool}
@@ -57,54 +58,6 @@ class _Timed:
         self.graph_calls += 1
 
 
-# How a session's worker threads wait for work (make_session's `spin`).
-SPIN_MODES = ("in-call", "always", "off")
-
-
-def make_session(path: str | Path, threads: int | None = None,
-                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-                 config: dict[str, str] | None = None, spin: str = "in-call",
-                 providers: list[str] | None = None) -> ort.InferenceSession:
-    """config: ONNX Runtime session config entries (e.g. the FP8 settings in eagle_trt.quant.run).
-    providers: ONNX Runtime's execution providers (default: the CPU's); with CUDAExecutionProvider
-    (onnxruntime-gpu) the CUDA and cuDNN libraries PyTorch brings are loaded first.
-
-    spin, how the worker threads wait between the graph's ~2,000 small ops and between calls:
-    - "in-call" (default): busy-wait inside a call, sleep when it ends
-      (session.force_spinning_stop). Speculative decoding alternates two sessions (drafter,
-      target): each call gets fast hand-offs between its ops and leaves the cores to the other
-      session. On a 2-core AVX-512 EPYC (2026-11-25, docs/benchmarks.md's findings: 3 MT-bench
-      prompts, int8 drafter, tree 3,2,4) speculative decoding ran at 82.9 tok/s, against 70.1 with "off" and 48.4 with
-      "always".
-    - "always": ONNX Runtime's default, workers keep spinning after a call; as fast for one
-      session run call after call (plain decoding: 61.5 tok/s against 61.4 "in-call", 49.7 "off").
-    - "off": workers sleep whenever idle (allow_spinning 0)."""
-    if spin not in SPIN_MODES:
-        raise ValueError(f"spin={spin!r}: expected one of {', '.join(SPIN_MODES)}")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: ONNX graph not found")
-    so = ort.SessionOptions()
-    so.graph_optimization_level = level
-    entries = dict(config or {})
-    if spin == "off":
-        entries.setdefault("session.intra_op.allow_spinning", "0")
-    elif spin == "in-call":
-        entries.setdefault("session.force_spinning_stop", "1")
-    for key, value in entries.items():
-        so.add_session_config_entry(key, value)
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    providers = providers or ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" in providers and hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()
-    try:
-        return ort.InferenceSession(str(path), so, providers=providers)
-    except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
-        raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
-
-
 def fixed_output_specs(session: ort.InferenceSession, names) -> dict[str, tuple[torch.dtype, list]]:
     outputs = {o.name: o for o in session.get_outputs()}
     return {n: (ONNX_TORCH_DTYPES[outputs[n].type], list(outputs[n].shape)) for n in names}
@@ -130,13 +83,6 @@ def kv_device_for(session: ort.InferenceSession, kv_device: str | torch.device |
         raise ValueError(f"kv_device {device}: this PyTorch ({torch.__version__}) has no CUDA device to hold "
                          f"the caches; use kv_device cpu (the caches then cross to the GPU at each call)")
     return device
-
-
-def target_kv_names(num_layers: int) -> list[tuple[str, str, str, str]]:
-    return [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}") for i in range(num_layers)]
-
-
-DRAFTER_KV_NAMES = ("past_key", "past_value", "new_key", "new_value")
 
 
 def verification(bound: Bound, accepts: bool) -> Verification:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from ..config import ConfigError, TreeShape
 from .cost import CostModel, NodeTrim
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from .sessions import FP8_SESSION
 from .two_call import IterationEngine, TwoCallEngine
 
 # graph precisions whose sessions need ONNX Runtime's FP8 settings (and the target 2-row calls)
@@ -17,10 +18,7 @@ FP8 = "fp8"
 
 
 def _session(precision: str | None) -> dict:
-    if precision != FP8:
-        return {}
-    from ..quant.run import FP8_ORT_LEVEL, FP8_SESSION_CONFIG
-    return dict(level=FP8_ORT_LEVEL, config=FP8_SESSION_CONFIG)
+    return FP8_SESSION if precision == FP8 else {}
 
 
 class OrtBackends(NamedTuple):
@@ -45,7 +43,7 @@ def open_backends(graphs: dict[str, str | Path], shape: TreeShape | None, max_co
     """Sessions over `graphs` (names 'target', 'drafter_tree', 'iteration', the build's; a
     drafter graph needs `shape`), on ONNX Runtime's `providers` (default: the CPU's), the KV
     caches on `kv_device` (onnxruntime_backend.kv_device_for). precision: each graph's, as the
-    build's manifest gives it ('fp8' graphs get ONNX Runtime's FP8 settings, quant/run.py, and
+    build's manifest gives it ('fp8' graphs get ONNX Runtime's FP8 settings, sessions.FP8_SESSION, and
     an FP8 target pads its calls to 2 rows, see OrtTarget). spin: how the sessions' threads
     wait (make_session). target: a target backend already open on the same graph, shared (or
     none: graphs without 'target' open only the drafter)."""

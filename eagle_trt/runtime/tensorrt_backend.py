@@ -38,7 +38,7 @@ except ImportError as exc:   # the message names what is missing, not just the m
 import torch
 
 from ..config import TreeShape
-from ..export.graphs import ACCEPT_OUTPUTS
+from ..graph_names import ACCEPT_OUTPUTS
 from .backend import DrafterBackend, TargetBackend, Verification, tree_from_outputs
 from .kv_cache import CHUNK
 
