@@ -7,6 +7,8 @@ time (a finished stream's slot goes to the next request). Three ways to serve th
 - `autoregressive-batched`: the same loop without a drafter (one token per sequence per call);
 - `speculative-per-request`: c threads, each running its own batch-1 speculative decoder on the
   shared sessions (how the Triton model served requests before continuous batching).
+On a GPU (or with bench --rows) the modes are bench's captured rows instead (`measure_loops`:
+the PyTorch engine, plain and speculative, each batched at every level).
 Per level and mode: total tokens/s (all streams together, wall clock; the median of `repeats`
 interleaved runs, since identical runs differ by ~5% on a shared CPU), per-request time per
 output token after the first (p50 / p99 over requests), time to first token (p50 / p99, queueing
@@ -84,10 +86,17 @@ def run_level(mode: str, streams: int, target, drafter, eos, vocab_size, prompts
         engine = IterationEngine(iteration, cost) if iteration is not None else TwoCallEngine(target, drafter, cost)
     else:
         engine = TwoCallEngine(plain_target or target)
-    decoder, backends = DecodingLoop(engine, eos, vocab_size), engine.backends
+    return batched(DecodingLoop(engine, eos, vocab_size), streams, prompts, max_new_tokens, warm)
+
+
+def batched(decoder: DecodingLoop, streams: int, prompts, max_new_tokens, warm: list[list[int]]
+            ) -> tuple[list[GenerationResult], float, float, float | None]:
+    """The prompts through `decoder`, `streams` at a time, after `warm` (see run_level); host
+    milliseconds per iteration where its engine's backends count their graph seconds."""
+    backends = decoder.engine.backends
     decoder.generate_batch([Request(p, min(32, max_new_tokens)) for p in warm], max_batch=streams)
     decoder.verified.clear()
-    graph0, start = graph_seconds(*backends), time.perf_counter()
+    graph0, start = graph_seconds(*backends) if backends else None, time.perf_counter()
     results = decoder.generate_batch([Request(p, max_new_tokens) for p in prompts], max_batch=streams)
     seconds = time.perf_counter() - start
     host = None if graph0 is None else 1e3 * (seconds - graph_seconds(*backends) + graph0) / len(decoder.verified)
@@ -99,28 +108,45 @@ def measure(target, drafter, eos, vocab_size, prompts: list[list[int]], max_new_
     """repeats > 1: every (level, mode) runs that many times, the modes' order rotating per
     repeat so drift in the machine's speed falls on each alike; tokens/s is the median run's,
     latencies are pooled over the runs. iteration: see run_level."""
-    log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
     solo_decoder = DecodingLoop(TwoCallEngine(target, drafter), eos, vocab_size)
     solo = [solo_decoder.generate(p, max_new_tokens).tokens for p in prompts]
-    rows = []
+
+    def mode(name):
+        return lambda streams, warm_: run_level(name, streams, target, drafter, eos, vocab_size, prompts,
+                                                max_new_tokens, warm_, plain_target, iteration)
+    return measure_modes({m: (mode(m), solo) for m in MODES}, levels, warm, log, repeats, drafter.shape.total_tokens)
+
+
+def measure_loops(decoders: dict[str, DecodingLoop], prompts: list[list[int]], max_new_tokens: int,
+                  levels: list[int], warm: list[list[int]], log=None, repeats: int = 1) -> list[dict]:
+    """The same for decoding loops made elsewhere (bench's captured rows), each batched at every
+    level and compared with its own batch-1 outputs."""
+    return measure_modes({name: (lambda streams, warm_, d=d: batched(d, streams, prompts, max_new_tokens, warm_),
+                                 [d.generate(p, max_new_tokens).tokens for p in prompts])
+                          for name, d in decoders.items()}, levels, warm, log, repeats, 0)
+
+
+def measure_modes(modes: dict, levels: list[int], warm: list[list[int]], log, repeats: int, nodes_per_tree: int
+                  ) -> list[dict]:
+    """modes: name -> (run(streams, warm prompts) as run_level returns, its batch-1 outputs)."""
+    log = log or sys.stderr   # looked up per call: a default bound at import time may be a closed stream
+    names, rows = list(modes), []
     for streams in levels:
-        runs: dict[str, list] = {mode: [] for mode in MODES}
+        runs: dict[str, list] = {mode: [] for mode in names}
         for r in range(repeats):
-            for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
-                results, nodes, seconds, host = run_level(mode, streams, target, drafter, eos, vocab_size, prompts,
-                                                          max_new_tokens, [warm[i % len(warm)] for i in range(2 * streams)],
-                                                          plain_target, iteration)
+            for mode in names[r % len(names):] + names[:r % len(names)]:
+                results, nodes, seconds, host = modes[mode][0](streams, [warm[i % len(warm)] for i in range(2 * streams)])
                 runs[mode].append((results, nodes, seconds, host))
                 print(f"  {streams} stream(s), {mode}, run {r + 1}/{repeats}: "
                       f"{sum(len(x.tokens) for x in results) / seconds:.1f} tok/s"
                       + ("" if host is None else f", host {host:.2f} ms an iteration"), file=log, flush=True)
-        for mode in MODES:
-            rows.append(_row(streams, mode, runs[mode], solo, drafter.shape.total_tokens))
+        for mode in names:
+            rows.append(_row(streams, mode, runs[mode], modes[mode][1], nodes_per_tree))
             row = rows[-1]
             print(f"  {streams} stream(s), {mode}: {row['tokens_per_second']:.1f} tok/s (median of {repeats}), accept "
                   f"{row['mean_accept_length']:.2f}, p50 {row['p50_token_latency_ms']:.0f} ms/token, identical "
                   f"{row['identical_to_solo']}", file=log, flush=True)
-    base = next((r["tokens_per_second"] for r in rows if r["streams"] == levels[0] and r["mode"] == MODES[0]), None)
+    base = next((r["tokens_per_second"] for r in rows if r["streams"] == levels[0] and r["mode"] == names[0]), None)
     for r in rows:
         r["vs_one_stream"] = r["tokens_per_second"] / base if base else None
     return rows
@@ -145,12 +171,12 @@ def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_t
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'streams':>7}  {'mode':<25}{'tok/s':>8}{'runs':>13}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'host ms':>9}"
+    head = (f"{'streams':>7}  {'mode':<28}{'tok/s':>8}{'runs':>13}{'vs 1':>7}{'accept':>8}{'nodes':>7}{'host ms':>9}"
             f"{'p50 ms/tok':>12}{'p99 ms/tok':>12}{'p50 TTFT':>10}{'p99 TTFT':>10}{'same':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r['tokens_per_second_runs']):.0f}-{max(r['tokens_per_second_runs']):.0f}"
-        lines.append(f"{r['streams']:>7}  {r['mode']:<25}{r['tokens_per_second']:>8.1f}{spread:>13}{r['vs_one_stream']:>6.2f}x"
+        lines.append(f"{r['streams']:>7}  {r['mode']:<28}{r['tokens_per_second']:>8.1f}{spread:>13}{r['vs_one_stream']:>6.2f}x"
                      f"{r['mean_accept_length']:>8.2f}{r['mean_draft_nodes_verified']:>7.2f}"
                      f"{'-' if r['host_ms_per_iteration'] is None else format(r['host_ms_per_iteration'], '.2f'):>9}"
                      f"{r['p50_token_latency_ms']:>12.1f}{r['p99_token_latency_ms']:>12.1f}"
@@ -164,7 +190,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         pts = [(r["streams"], r["tokens_per_second"]) for r in rows if r["mode"] == mode]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xlabel("concurrent streams")

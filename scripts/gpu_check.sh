@@ -5,7 +5,8 @@
 #   1. SmolLM2-135M-Instruct converted from the carried GGUF, the machine described;
 #   2. bf16: captured speculative decoding (trees 3,2,4 and 5,8,60) against captured plain decoding,
 #      transformers with a StaticCache (compiled) and transformers eager, 10 MT-bench prompts x 128
-#      tokens, then 8 streams at once (eagle_trt.device_bench: what `bench --device cuda` runs);
+#      tokens, then the captured rows 8 streams at once (python -m eagle_trt.bench --rows ...: the rows
+#      it measures on a GPU, eagle_trt/bench_rows.py; --concurrency 8);
 #   3. parity of the exported fp32 graphs (target, drafter tree, iteration) on ONNX Runtime's CUDA
 #      provider against PyTorch, output by output (python -m eagle_trt.parity --provider cuda);
 #   4. fp32: the same captured rows (speculative must equal plain decoding token for token) and
@@ -28,11 +29,12 @@ export EAGLE_TRT_CACHE=${EAGLE_TRT_CACHE:-$CACHE} PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}   # the venv here, the image's python there
 if [ "${DRY:-0}" = 1 ]; then
-  DEV="--device cpu --threads 2"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4; PROVIDER=cpu
+  DEV="--device cpu --threads 1"; PROMPTS=2; TOKENS=16; TREES="3,2,4"; STREAMS=2; SCALE=4; PROVIDER=cpu
 else
   DEV="--device cuda"; PROMPTS=10; TOKENS=128; TREES="3,2,4;5,8,60"; STREAMS=8; SCALE=1; PROVIDER=cuda
 fi
-BENCH="$PY -m eagle_trt.device_bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES"
+BENCH="$PY -m eagle_trt.bench $DEV --workloads mtbench --prompts $PROMPTS --max-new-tokens $TOKENS --tree $TREES --repeats 1"
+BATCHED="--concurrency $STREAMS --concurrency-prompts $PROMPTS --concurrency-repeats 1"   # the captured rows batched
 summary=$OUT/summary.txt
 : > "$summary"
 
@@ -61,14 +63,14 @@ import onnxruntime as ort
 print(f"onnxruntime {ort.__version__} from {ort.__file__}: {ort.get_available_providers()}")
 PYEOF
 
-step bf16 240 $BENCH --dtype bfloat16 --streams $STREAMS \
+step bf16 240 $BENCH --dtype bfloat16 $BATCHED \
   --rows captured-plain,captured-speculative,transformers-compiled,transformers-eager --out "$OUT/bf16"
 # the exported fp32 graphs on ONNX Runtime's CUDA provider against PyTorch, output by output
 # (tree 3,2,4; the graphs stay in $GRAPHS for the fp32 bench's ONNX Runtime rows)
 GRAPHS=$EAGLE_TRT_CACHE/parity-$PROVIDER
 step parity 150 "$PY" -m eagle_trt.parity --provider "$PROVIDER" --iteration-graph --prompts 2 \
   --depth 3 --tree-top-k 2 --total-tokens 4 --out "$GRAPHS"
-step fp32 300 $BENCH --dtype float32 --streams $STREAMS --onnx-dir "$GRAPHS/graphs" \
+step fp32 300 $BENCH --dtype float32 $BATCHED --onnx-dir "$GRAPHS/graphs" --drafter-weights float32 \
   --rows captured-plain,captured-speculative,onnxruntime-cuda,onnxruntime-cuda-host-kv,onnxruntime-cpu --out "$OUT/fp32"
 [ "${DRY:-0}" = 1 ] && { echo "== compiled: skipped in the dry run (inductor on 2 CPU cores takes many minutes)" >> "$summary"; } ||
 step compiled 150 $BENCH --dtype bfloat16 --tree "${TREES%%;*}" --compile \

