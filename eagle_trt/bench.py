@@ -10,9 +10,7 @@ On a CPU (the default there) it compares, per workload, all at temperature 0 (or
 - `speculative`: the drafter-tree graph (int8 weights, as the build's Triton repository serves an
   fp32 drafter on ONNX Runtime; the exported fp32 graph with --drafter-weights float32) and the
   target graph's verification, composed into one graph called once per iteration (the iteration
-  graph, export/iteration.py; --iteration-graph off calls the two in turn);
-- `torch-autoregressive` / `torch-speculative` (with --torch-row): the PyTorch engine
-  (runtime/static.py), plain and speculative, tree as above.
+  graph, export/iteration.py; --iteration-graph off calls the two in turn).
 The tree is the fastest of a few candidate shapes on held-out MT-bench prompts (--tree auto),
 since the best shape depends on how verification cost grows with tokens on the hardware.
 Each prompt is decoded --repeats times (default 2) in both ONNX Runtime modes, the modes
@@ -27,7 +25,8 @@ captured speculative decoding, one row per --tree shape, against captured plain 
 plain baseline there), `transformers` compiled (StaticCache) and eager, and the graphs on ONNX
 Runtime's CUDA and CPU providers; each prompt through every row in turn, --repeats times, each
 row's fastest run counting; warm-up (compilation, capture) apart; the GPU's idle share of the
-captured decode steps from CUDA events.
+captured decode steps from CUDA events. The PyTorch engine on a CPU: `--rows captured-plain,
+captured-speculative`.
 
 --concurrency 1,2,4,8 adds `concurrency` to bench.json: on a CPU batched speculative, batched
 autoregressive and per-request speculative serving of many streams on the graphs, on a GPU the
@@ -46,14 +45,13 @@ import torch
 
 from . import concurrency
 from .api import prepare_models
-from .bench_rows import (CAPTURED, DRAFTER_WEIGHTS, ORT_ROWS, ROWS, LoopRow, Transformers, drafter_graph,
+from .bench_rows import (DRAFTER_WEIGHTS, ORT_ROWS, ROWS, LoopRow, Transformers, drafter_graph,
                          iteration_graph, make_rows, peak_rss_gb, run, run_workload, summarize, sweep_label,
                          sweep_trees)
 from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, SamplingConfig, TreeShape, parse_tree
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .export import export_pipeline
-from .runtime.loop import DecodingLoop
 from .runtime.ort_engines import open_backends
 from .runtime.static import StaticEngine
 from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
@@ -94,14 +92,6 @@ def format_table(results: list[dict]) -> str:
                      f"{c['iteration_ms']:>11.1f}"
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
-    if "torch_speedup" in results[0]:
-        head = f"{'workload':<10}{'torch AR tok/s':>16}{'torch spec tok/s':>18}{'speed-up':>10}{'same':>7}"
-        lines += ["", "PyTorch engine (runtime/static.py; see torch_device in bench.json):", head, "-" * len(head)]
-        for r in results:
-            m = r["modes"]
-            lines.append(f"{r['workload']:<10}{m['torch-autoregressive']['tokens_per_second']:>16.1f}"
-                         f"{m['torch-speculative']['tokens_per_second']:>18.1f}{r['torch_speedup']:>9.2f}x"
-                         f"{_same(r['torch_identical_outputs'], r['prompts'])}")
     return "\n".join(lines)
 
 
@@ -196,8 +186,6 @@ def parser() -> argparse.ArgumentParser:
                         "target and drafter graphs composed: export/iteration.py; the default), or the two graphs "
                         "called in turn (off; always so with node trim, which picks the nodes between the calls). "
                         "The tree sweep runs the two graphs")
-    p.add_argument("--torch-row", action="store_true", help="also time the PyTorch engine (runtime/static.py), plain "
-                   "and speculative: on the rows, the captured rows")
     p.add_argument("--rows", default=None, help=f"comma-separated, of {', '.join(ROWS)} (default on a GPU: all); "
                    "given on a CPU, these rows instead of the CPU comparison (the GPU check's dry run)")
     p.add_argument("--capacity", type=int, default=0, help="rows per sequence of the PyTorch engine's static caches "
@@ -245,7 +233,6 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         on_rows = device.type == "cuda" or args.rows is not None
         rows = [r.strip() for r in (args.rows or ",".join(ROWS)).split(",") if r.strip()]
-        rows += [r for r in CAPTURED if args.torch_row and r not in rows]
         if on_rows and args.sweep_prompts is not None:
             raise ConfigError("--sweep-prompts: the rows (a GPU, or --rows) have no tree sweep: every --tree shape "
                               "is a captured speculative row measured on the prompts themselves")
@@ -255,7 +242,7 @@ def main(argv=None) -> int:
         cpu32 = (device.type, dtype) == ("cpu", "float32")      # the graphs come from fp32 CPU models
         f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu") \
             if cpu32 or not on_rows or any(r in ORT_ROWS for r in rows) else None
-        models = f32 if cpu32 or not (on_rows or args.torch_row) else \
+        models = f32 if cpu32 or not on_rows else \
             prepare_models(args.target, args.drafter, dtype, sys.stderr, device.type)     # the PyTorch engine's
         prompts = {w: build(models.tokenizer, w, min(args.prompts, 3) if w.startswith("long-") else args.prompts)
                    for w in names}
@@ -277,8 +264,7 @@ def main(argv=None) -> int:
         report = _rows(args, models, measured, shapes, [p for w in names for p in prompts[w]], sweep[0], held, levels,
                        sampling, dtype, capacity)
     else:
-        report = _compare(args, models, f32, folder, prompts, sweep, held, levels, sampling, shapes, static, device,
-                          dtype)
+        report = _compare(args, f32, folder, prompts, sweep, held, levels, sampling, shapes, device, dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "bench.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
@@ -317,8 +303,8 @@ def _rows(args, models, rows: list, shapes: list[TreeShape], prompts: list[list[
             "trees": [[s.depth, s.top_k, s.total_tokens] for s in shapes], "rows": summary, "concurrency": concurrent}
 
 
-def _compare(args, models, f32, folder: Path, prompts: dict, sweep: list[list[int]], held: tuple, levels: list[int],
-             sampling: SamplingConfig | None, shapes: list[TreeShape], static: dict, device, dtype: str) -> dict:
+def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], held: tuple, levels: list[int],
+             sampling: SamplingConfig | None, shapes: list[TreeShape], device, dtype: str) -> dict:
     """The CPU comparison (bench_rows.run_workload) per workload, after the tree sweep; then
     --concurrency on the same graphs."""
     trims = {"on": [True], "off": [False], "both": [True, False]}[args.node_trim]
@@ -345,16 +331,10 @@ def _compare(args, models, f32, folder: Path, prompts: dict, sweep: list[list[in
     hf = Transformers("transformers", f32.target.folder, device, torch_dtype(dtype), eos) if prompts else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
-    torch_decoders = None
-    if args.torch_row:
-        torch_decoders = (DecodingLoop(StaticEngine(models.target.model, **static), eos, vocab),
-                          DecodingLoop(StaticEngine(models.target.model, models.drafter, shape, **static), eos, vocab))
-        for d in torch_decoders:
-            d.generate(warm, 8)
     if hf is not None:
         hf.generate(warm, 8)
-    results = [run_workload(w, ids, hf, ort, args.max_new_tokens, shape.depth, torch_decoders, args.repeats,
-                            sampling) for w, ids in prompts.items()]
+    results = [run_workload(w, ids, hf, ort, args.max_new_tokens, shape.depth, args.repeats, sampling)
+               for w, ids in prompts.items()]
     concurrent = []
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
@@ -366,7 +346,6 @@ def _compare(args, models, f32, folder: Path, prompts: dict, sweep: list[list[in
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
-              "torch_device": f"{device.type} {dtype}" if torch_decoders else None,
               "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,

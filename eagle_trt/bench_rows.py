@@ -2,8 +2,8 @@
 
 The comparison (a CPU, the default there): per workload, `transformers` generate, autoregressive
 and speculative decoding on the same ONNX graphs (`run_workload`: the two ONNX Runtime modes
-alternate, each prompt's fastest of `repeats` runs counts, runtime/timing.py), optionally the
-PyTorch engine plain and speculative (`TORCH_MODES`), after a tree sweep (`sweep_trees`).
+alternate, each prompt's fastest of `repeats` runs counts, runtime/timing.py), after a tree
+sweep (`sweep_trees`).
 
 The rows (a GPU, or --rows): each prompt through every row in turn (`run`), the rows' order
 reversed every other repeat and each row's fastest run counting:
@@ -41,7 +41,6 @@ from .runtime.static import StaticEngine
 from .runtime.timing import OrtDecoding, decoding_threads
 
 MODES = ("transformers", "autoregressive", "speculative")
-TORCH_MODES = ("torch-autoregressive", "torch-speculative")
 DRAFTER_WEIGHTS = {"float32": "drafter_tree", "int8": "drafter_tree_int8"}
 ITERATION_WEIGHTS = {"float32": "iteration", "int8": "iteration_int8"}
 # the ONNX Runtime rows: provider (PROVIDERS: the providers each takes), where the KV caches live
@@ -161,12 +160,10 @@ class Transformers:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: OrtDecoding, max_new_tokens: int,
-                 depth: int, torch_decoders: tuple[DecodingLoop, DecodingLoop] | None = None, repeats: int = 2,
-                 sampling: SamplingConfig | None = None) -> dict:
+                 depth: int, repeats: int = 2, sampling: SamplingConfig | None = None) -> dict:
     """sampling: every mode samples, prompt i with seed i; outputs then differ between modes (each
     draws its own way from the same distribution), so identical_outputs is None."""
-    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES + (TORCH_MODES if torch_decoders else ())}
-    torch_identical = 0
+    rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES}
     split = {role: 0.0 for role in ort.sessions}      # seconds inside each session's calls
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
@@ -188,12 +185,6 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
-        if torch_decoders is not None:   # the PyTorch engine on --device: lossless against its own plain loop
-            t_ar, t_sp = (d.generate(ids, max_new_tokens, how) for d in torch_decoders)
-            for mode, run in zip(TORCH_MODES, (t_ar, t_sp)):
-                rows[mode]["tokens"] += len(run.tokens)
-                rows[mode]["seconds"] += run.seconds
-            torch_identical += t_sp.tokens == t_ar.tokens
         print(f"  {name} {i + 1}/{len(prompts)}: accept {sp.mean_accept_length:.2f}; tok/s transformers "
               f"{len(hf_tokens) / hf_s:.1f}, autoregressive {len(ar.tokens) / ar.seconds:.1f}, speculative "
               f"{len(sp.tokens) / sp.seconds:.1f}", file=sys.stderr, flush=True)
@@ -220,11 +211,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
             "speedup_vs_autoregressive": rows["speculative"]["tokens_per_second"] / rows["autoregressive"]["tokens_per_second"],
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": dict({k: v / spec_s for k, v in split.items()}, host=1 - sum(split.values()) / spec_s),
-            "cost": cost, "identical_outputs": identical if sampling is None else None, "peak_rss_gb": peak_rss_gb(),
-            **({"torch_speedup": rows["torch-speculative"]["tokens_per_second"]
-                / rows["torch-autoregressive"]["tokens_per_second"],
-                "torch_identical_outputs": torch_identical if sampling is None else None}
-               if torch_decoders else {})}
+            "cost": cost, "identical_outputs": identical if sampling is None else None, "peak_rss_gb": peak_rss_gb()}
 
 
 class LoopRow:

@@ -143,8 +143,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     path = save_drafter(random_drafter(smollm2, "eagle3.1", seed=2, draft_vocab_size=2048), tmp_path / "d")
     rc = bench.main(["--drafter", str(path), "--workloads", "mtbench", "--prompts", "2", "--max-new-tokens", "6",
                      "--tree-candidates", "2,1,2;2,2,3", "--node-trim", "both", "--sweep-prompts", "1", "--threads", "1",
-                     "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")), "--torch-row",
-                     "--device", "cpu",
+                     "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")), "--device", "cpu",
                      "--concurrency", "1,2", "--concurrency-prompts", "3", "--concurrency-repeats", "2",
                      "--out", str(tmp_path / "out")])
     assert rc == 0
@@ -153,8 +152,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     assert row["identical_outputs"] == 2                    # transformers, autoregressive and speculative agree
     assert report["drafter_weights"] == "int8"              # the default, as the Triton repository serves it
     assert all(row["modes"][m]["tokens"] == 12 and row["modes"][m]["tokens_per_second"] > 0
-               for m in bench_rows.MODES + bench_rows.TORCH_MODES)
-    assert row["torch_identical_outputs"] == 2 and report["torch_device"] == "cpu float32"
+               for m in bench_rows.MODES)
     assert 0 < row["time_split"]["host"] < 1 and len(row["accepted_at_least"]) == 2
     assert sum(row["time_split"].values()) == pytest.approx(1.0)
     sweep = report["tree_sweep"]
@@ -181,7 +179,7 @@ def test_bench_cli_measures_three_modes_with_identical_outputs(smollm2, smollm2_
     for name in ("speedup.png", "acceptance_per_depth.png", "concurrency.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out and "PyTorch engine" in out
+    assert "vs AR" in out and "where the time goes" in out and "tree sweep" in out
     assert "concurrent streams" in out and "autoregressive-batched" in out
     assert bench.main(["--tree", "3,2", "--out", str(tmp_path / "c")]) == 2
     assert "expected depth,top_k,total_tokens" in capsys.readouterr().err

@@ -1,25 +1,19 @@
-"""The decoding loop over a batch of sequences, with continuous batching; what one iteration
+"""The decoding loop over a batch of sequences, with continuous batching; what an iteration
 computes is an engine's.
 
 The loop owns what every engine shares: admission (a request is checked, then prefilled into the
-next slot), each sequence's bookkeeping (tokens, accept lengths, calls, token times), stop checks
-(EOS, max_new_tokens, a client that stopped), streaming (`on_tokens`), and sampled acceptance
-(verify.accept_sampled on the host, each sequence with its own seeded generator). Sequences
-join between iterations (`add`) and leave the moment they finish, the last slot moving into the
-freed one, so the running sequences are always slots 0..B-1 (`active[i]` is slot i).
+next slot), each sequence's bookkeeping, stop checks (EOS, max_new_tokens, a client that
+stopped), streaming (`on_tokens`) and sampled acceptance (verify.accept_sampled on the host, each
+sequence with its own seeded generator). Sequences join between iterations and leave the moment
+they finish, the last slot moving into the freed one: `active[i]` is slot i.
 
-An engine owns the caches and the graph calls (`Engine`):
-  - `prefill(prompt, max_new_tokens, pick)`: the prompt into the next slot; its first token;
-  - `iterate(batch, greedy)`: draft and verify every running sequence, returning `Verified`, its
-    greedy acceptance as host ints (and what sampled acceptance reads); with `greedy` (every
-    sequence greedy) it may commit that acceptance itself, a whole iteration in one graph;
-  - `commit(paths, tokens)`: keep each sequence's accepted rows (unless it committed already);
-  - `leave(slot)`: free a slot, the last sequence moving into it.
-The engines: `static.StaticEngine` (PyTorch at fixed shapes, each iteration one CUDA graph on a
-GPU), `two_call.TwoCallEngine` (a drafter and a target backend called in turn: ONNX Runtime,
-TensorRT, Triton BLS; the cost model and node trim) and `two_call.IterationEngine` (ONNX
-Runtime's iteration graph: drafting and verification in one call). Without a drafter an engine
-decodes plainly, through the same loop. `generate` is the loop with one sequence."""
+An `Engine` owns the caches and the graph calls: `prefill` a prompt into the next slot,
+`iterate` the running batch (draft and verify; it returns `Verified`, and where every sequence is
+greedy it may commit its own acceptance, a whole iteration in one graph), `commit` the accepted
+rows, `leave` a slot. The engines: `static.StaticEngine` (PyTorch at fixed shapes, one CUDA
+graph an iteration on a GPU), `two_call.TwoCallEngine` (a drafter and a target backend called in
+turn: ONNX Runtime, TensorRT, Triton BLS; cost model, node trim) and `two_call.IterationEngine`
+(ONNX Runtime's iteration graph). Without a drafter an engine decodes plainly."""
 from __future__ import annotations
 
 import time
@@ -136,11 +130,6 @@ class Engine:
     nodes: int = 0
     max_context: int
     max_batch: int | None = None
-    context = ("the target's context", "max_position_embeddings")   # how check names max_context
-
-    def check(self, prompt_ids: list[int], max_new_tokens: int, vocab_size: int | None) -> None:
-        """Raise ConfigError for a request the engine would refuse, before it touches a cache."""
-        check_request(prompt_ids, max_new_tokens, self.max_context, vocab_size, *self.context)
 
     def reset(self) -> None:
         raise NotImplementedError
@@ -187,7 +176,7 @@ class DecodingLoop:
         for a request the engine would refuse, before touching the caches."""
         sampling = (request.sampling or SamplingConfig()).validate()
         request.sampling = sampling
-        self.engine.check(request.prompt_ids, request.max_new_tokens, self.vocab_size)
+        check_request(request.prompt_ids, request.max_new_tokens, self.engine.max_context, self.vocab_size)
         limit = self.engine.max_batch
         if limit is not None and len(self.active) >= limit:
             raise ConfigError(f"the batch is full: {limit} sequences (max_batch)")

@@ -1,24 +1,20 @@
-"""The engines over a target backend and a drafter backend (backend.py: ONNX Runtime, TensorRT,
-Triton BLS, and the PyTorch reference), for the decoding loop (loop.py).
+"""The engines over a target and a drafter backend (backend.py: ONNX Runtime, TensorRT, Triton
+BLS, and the PyTorch reference), for the decoding loop (loop.py).
 
 `TwoCallEngine`, one iteration of the B running sequences:
   1. the cost model (cost.py) picks n, the draft nodes each sequence verifies (all N without one);
   2. n > 0: one drafter call encodes every sequence's newly committed rows and drafts its tree
      (node trim may then cut n from the trees' scores);
-  3. one target call verifies each root plus the n best nodes of its tree ([B, 1 + n] rows),
-     and its greedy acceptance (the graph's own where it computed one) goes to the host in one
-     transfer;
-  4. commit: each sequence's accepted rows kept, and their captured states held for the drafter.
-The drafter sees a sequence's committed rows only when the batch next drafts: a sequence with
-more pending rows than one iteration accepts (a new prompt, or rows from iterations that
-decoded plainly) has all but its last row encoded alone first, so the batched drafter call pads
-to a few rows, and a batch that never drafts does no drafter work at all. Prompts are
-prefilled alone (B = 1 on their slot; prompts differ too much in length to pad together, and a
-long prefill is compute-bound anyway).
+  3. one target call verifies each root and the n best nodes of its tree, and its greedy
+     acceptance (the graph's own where it computed one) goes to the host in one transfer;
+  4. commit: the accepted rows kept, their captured states held for the drafter.
+The drafter sees a sequence's committed rows only when the batch next drafts; a backlog longer
+than one iteration accepts (a new prompt, plain steps) is encoded alone first, so the batched
+drafter call pads to a few rows. Prompts are prefilled alone (B = 1 on their slot).
 
-`IterationEngine` runs steps 2 and 3 as one call of the iteration graph (onnxruntime_backend.
-OrtIteration) for every iteration that drafts, and the two calls for the rest; it hands the
-accepted rows' states from one call to the next where the graph gathered them."""
+`IterationEngine` runs steps 2 and 3 as one call of the iteration graph (OrtIteration) for every
+iteration that drafts, and hands the accepted rows' states from one call to the next where the
+graph gathered them."""
 from __future__ import annotations
 
 import time
@@ -67,9 +63,8 @@ def _host_rows(path, length, tokens, ranks) -> list[list[int]]:
 
 
 class _Iteration(NamedTuple):
-    """What iterate() verified, for commit: when it started, the seconds spent catching up, the
-    nodes verified, the verification, the greedy paths' index (None: some sequence sampled),
-    the host rows and, for the cost model, where their ranks start (or the scores as lists)."""
+    """What iterate() verified, for commit (index: the greedy paths, None where one sampled;
+    ranks_at / score_rows: where the cost model reads the accepted nodes' ranks)."""
     start: float
     catch_up: float
     nodes: int
