@@ -168,11 +168,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
     p.add_argument("--sweep-prompts", type=int, default=None, help="held-out prompts of the tree sweep (default 3; "
                    "the rows have no sweep)")
-    p.add_argument("--node-trim", choices=("on", "off", "both"), default="off",
-                   help="on: the ONNX Runtime speculative decoding verifies per iteration only the tree nodes whose "
-                        "draft probability pays for their rows (runtime/cost.py NodeTrim, two graph calls; no gain "
-                        "measured on a 2-core CPU with SmolLM2, see docs/benchmarks.md); off: every node of the tree; "
-                        "both: sweep every shape both ways (not with the rows, which have no sweep)")
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each mode (ONNX Runtime modes on a CPU, "
                    "rows on a GPU), alternating; the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch and ONNX Runtime threads (0: all cores)")
@@ -184,8 +179,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
                    help="ONNX Runtime speculative decoding with drafting and verification in one graph call (the "
                         "target and drafter graphs composed: export/iteration.py; the default), or the two graphs "
-                        "called in turn (off; always so with node trim, which picks the nodes between the calls). "
-                        "The tree sweep runs the two graphs")
+                        "called in turn (off). The tree sweep runs the two graphs")
     p.add_argument("--rows", default=None, help=f"comma-separated, of {', '.join(ROWS)} (default on a GPU: all); "
                    "given on a CPU, these rows instead of the CPU comparison (the GPU check's dry run)")
     p.add_argument("--capacity", type=int, default=0, help="rows per sequence of the PyTorch engine's static caches "
@@ -236,9 +230,6 @@ def main(argv=None) -> int:
         if on_rows and args.sweep_prompts is not None:
             raise ConfigError("--sweep-prompts: the rows (a GPU, or --rows) have no tree sweep: every --tree shape "
                               "is a captured speculative row measured on the prompts themselves")
-        if on_rows and args.node_trim == "both":
-            raise ConfigError("--node-trim both sweeps every tree shape both ways, and the rows (a GPU, or --rows) "
-                              "have no tree sweep: give on or off (the ONNX Runtime speculative rows)")
         cpu32 = (device.type, dtype) == ("cpu", "float32")      # the graphs come from fp32 CPU models
         f32 = prepare_models(args.target, args.drafter, "float32", sys.stderr, "cpu") \
             if cpu32 or not on_rows or any(r in ORT_ROWS for r in rows) else None
@@ -255,7 +246,7 @@ def main(argv=None) -> int:
         static = dict(max_batch=max(levels + [1]), capacity=capacity, compile=args.compile)
         if on_rows:
             measured = make_rows(rows, models, f32, shapes, dtype, folder, **static, drafter_weights=args.drafter_weights,
-                                 iteration_graph=args.iteration_graph == "on", trim=args.node_trim == "on")
+                                 iteration_graph=args.iteration_graph == "on")
     except (ConfigError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -307,27 +298,24 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
              sampling: SamplingConfig | None, shapes: list[TreeShape], device, dtype: str) -> dict:
     """The CPU comparison (bench_rows.run_workload) per workload, after the tree sweep; then
     --concurrency on the same graphs."""
-    trims = {"on": [True], "off": [False], "both": [True, False]}[args.node_trim]
-    candidates = [(shape, trim) for shape in shapes for trim in trims]
     threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
     graphs = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=("target",))
     target_graph = graphs["target"]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
                            threads=threads).target
     tree_sweep = []
-    if len(candidates) > 1:
+    if len(shapes) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts, shapes taking turns, fastest of "
               f"{args.repeats} per prompt:", file=sys.stderr)
-        tree_sweep = sweep_trees(f32, candidates, folder, target, sweep, min(args.max_new_tokens, 64), threads,
+        tree_sweep = sweep_trees(f32, shapes, folder, target, sweep, min(args.max_new_tokens, 64), threads,
                                  args.drafter_weights, args.repeats)
-    shape, trim = (TreeShape(*tree_sweep[0]["tree"]), tree_sweep[0]["node_trim"]) if tree_sweep else candidates[0]
+    shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else shapes[0]
     eos, vocab = f32.eos_ids, f32.target.config.vocab_size
-    one_call = args.iteration_graph == "on" and not trim
     served = {"target": target_graph, "drafter_tree": drafter_graph(f32, shape, folder, args.drafter_weights)}
-    if one_call:
+    if args.iteration_graph == "on":
         served["iteration"] = iteration_graph(f32, shape, folder, target_graph, args.drafter_weights)
     ort = OrtDecoding.open(served, shape, f32.target.config.max_position_embeddings, eos, vocab, threads,
-                           target=target, trim=trim)
+                           target=target)
     hf = Transformers("transformers", f32.target.folder, device, torch_dtype(dtype), eos) if prompts else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
@@ -346,13 +334,12 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
-              "tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
+              "tree": [shape.depth, shape.top_k, shape.total_tokens],
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
     print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
           f"{', one call an iteration' if ort.iteration is not None else ''}), tree {tuple(report['tree'])}"
-          f"{', nodes trimmed' if trim else ''}, "
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:

@@ -32,7 +32,6 @@ from .config import ConfigError, SamplingConfig, TreeShape
 from .devices import torch_dtype
 from .evaluate import depth_rates
 from .export import export_pipeline
-from .runtime.cost import NodeTrim
 from .runtime.loop import DecodingLoop
 from .runtime.onnxruntime_backend import OrtTarget
 from .runtime.sessions import PROVIDERS
@@ -68,23 +67,21 @@ def iteration_graph(models, shape: TreeShape, folder: Path, target_graph: Path, 
     return _tree_graph(models, shape, folder, ITERATION_WEIGHTS[weights], target_graph)
 
 
-def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, target: OrtTarget,
+def sweep_trees(models, shapes: list[TreeShape], folder: Path, target: OrtTarget,
                 prompts: list[list[int]], max_new_tokens: int, threads: int | None, weights: str = "float32",
                 repeats: int = 2) -> list[dict]:
-    """Speculative tokens/s of each (tree shape, node trim) candidate on the same target session
+    """Speculative tokens/s of each tree shape on the same target session
     and prompts (kept apart from the measured ones), fastest first. Only the drafter graph is
     exported per shape. The
     shapes take turns on each prompt (the order reversed every other round) and each prompt's
     fastest of `repeats` runs counts, so a drift of the machine's speed over the sweep does not
     pick the shape that happened to run while it was fast."""
-    decoders, opened = [], {}
-    for shape, trim in candidates:
-        if shape not in opened:
-            opened[shape] = open_backends({"drafter_tree": drafter_graph(models, shape, folder, weights)}, shape,
-                                          target.max_context, threads=threads, target=target)
-        decoders.append(DecodingLoop(opened[shape].engine(trim=NodeTrim() if trim else None), models.eos_ids,
-                                     models.target.config.vocab_size))
-    best: list[list] = [[None] * len(prompts) for _ in candidates]      # fastest run per shape and prompt
+    decoders = []
+    for shape in shapes:
+        opened = open_backends({"drafter_tree": drafter_graph(models, shape, folder, weights)}, shape,
+                               target.max_context, threads=threads, target=target)
+        decoders.append(DecodingLoop(opened.engine(), models.eos_ids, models.target.config.vocab_size))
+    best: list[list] = [[None] * len(prompts) for _ in shapes]      # fastest run per shape and prompt
     with decoding_threads():
         for d in decoders:
             d.generate(prompts[0], 8)
@@ -98,10 +95,10 @@ def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, 
                         best[c][p] = run
                 turn += 1
     rows = []
-    for (shape, trim), runs, decoder in zip(candidates, best, decoders):
+    for shape, runs, decoder in zip(shapes, best, decoders):
         tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)
         accepts = [a for r in runs for a in r.accept_lengths]
-        rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens], "node_trim": trim,
+        rows.append({"tree": [shape.depth, shape.top_k, shape.total_tokens],
                      "tokens_per_second": tokens / seconds, "mean_accept_length": sum(accepts) / len(accepts),
                      "mean_nodes_verified": sum(decoder.verified) / max(len(decoder.verified), 1)})
         print(f"  {sweep_label(rows[-1])}: {rows[-1]['tokens_per_second']:.1f} tok/s, accept "
@@ -111,7 +108,7 @@ def sweep_trees(models, candidates: list[tuple[TreeShape, bool]], folder: Path, 
 
 
 def sweep_label(row: dict) -> str:
-    return f"tree {tuple(row['tree'])}" + (", trimmed" if row["node_trim"] else "")
+    return f"tree {tuple(row['tree'])}"
 
 
 def peak_rss_gb() -> float:
@@ -245,7 +242,7 @@ class FailedRow:
 
 def make_rows(names: list[str], models, f32, shapes: list[TreeShape], dtype: str, folder: Path, *, capacity: int,
               max_batch: int = 1, compile: bool = False, drafter_weights: str = "float32",
-              iteration_graph: bool = True, trim: bool = False) -> list:
+              iteration_graph: bool = True) -> list:
     """The rows `names` asks for, in the order they run on each prompt; the ONNX Runtime rows on
     `f32` (fp32 CPU models, the graphs' source) and the first tree shape."""
     unknown = set(names) - set(ROWS)
@@ -273,9 +270,9 @@ def make_rows(names: list[str], models, f32, shapes: list[TreeShape], dtype: str
                 if why is not None:
                     raise RuntimeError(why)
                 backends = onnxruntime_backends(f32, shape, folder, log=sys.stderr, providers=PROVIDERS[provider],
-                                                kv_device=kv_device, iteration_graph=iteration_graph and not trim,
+                                                kv_device=kv_device, iteration_graph=iteration_graph,
                                                 drafter_graph=DRAFTER_WEIGHTS[drafter_weights])
-                rows.append(LoopRow(label, DecodingLoop(backends.engine(trim=NodeTrim() if trim else None), eos, vocab)))
+                rows.append(LoopRow(label, DecodingLoop(backends.engine(), eos, vocab)))
             except Exception as exc:  # noqa: BLE001 - a provider that cannot run the graphs is a result
                 rows.append(FailedRow(label, f"{type(exc).__name__}: {exc}"))
     return rows

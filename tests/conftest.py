@@ -430,20 +430,6 @@ def oracle_drafter(target: LoadedTarget, variant: str, noise: float = 0.02, seed
     return d.eval()
 
 
-def frozen_trim(per_row: float, fixed: float = 0.01, rate: float = 100.0):
-    """A NodeTrim that believes each verified row costs `per_row` seconds and decoding runs at
-    `rate` tokens/s, and learns nothing more (a tiny model's own timings would say rows are free)."""
-    from eagle_trt.runtime.cost import NodeTrim
-    trim = NodeTrim(warmup=0)
-    for rows in range(1, 129):
-        for _ in range(2):                      # a row count's first call is not counted
-            trim.time_target(rows, fixed + per_row * rows)
-    trim.time_iteration(rate, 1.0)
-    trim.time_target = lambda rows, seconds, prefill=False: None
-    trim.time_iteration = lambda tokens, seconds: None
-    return trim
-
-
 def seeded_cost_model(per_row: float, fixed: float, accepted: list[float]):
     """A CostModel past its warm-up whose timings are `fixed + per_row * rows` a target call
     (1 to 40 rows), with drafter timings and acceptance (`accepted[n]`: tokens a step with n

@@ -57,7 +57,6 @@ def test_bench_rows_decode_alike_on_the_cpu(smollm2, smollm2_onnx_dir, tmp_path,
 
     # what has no meaning on the rows is refused, by name and why
     for flags, message in ((["--sweep-prompts", "2"], "--sweep-prompts: the rows"),
-                           (["--node-trim", "both"], "--node-trim both sweeps"),
                            (["--rows", "captured-plain,nonsense"], "--rows: unknown ['nonsense']")):
         rows_flag = [] if "--rows" in flags else ["--rows", "captured-plain"]
         assert main(common + rows_flag + flags + ["--out", str(tmp_path / "x")]) == 2

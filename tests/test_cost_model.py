@@ -1,17 +1,13 @@
-"""The cost model and the node trim (runtime/cost.py): call costs interpolated, the nodes that
-pay for their rows, plain decoding when verification is compute-bound, warm-up, probes and
-re-timing; and whatever they choose (full trees, subtrees, plain decoding, trimmed trees),
-batched decoding on the tiny graphs gives the tokens of batch 1."""
+"""The cost model (runtime/cost.py): call costs interpolated, plain decoding when verification is
+compute-bound, warm-up, probes and re-timing; and whatever it chooses (full trees, subtrees,
+plain decoding), batched decoding on the tiny graphs gives the tokens of batch 1."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import TINY_SHAPE, frozen_trim, on_graph, seeded_cost_model, tiny_backends, two_call
+from conftest import TINY_SHAPE, on_graph, seeded_cost_model, tiny_backends, two_call
 
-from eagle_trt.config import ConfigError
-from eagle_trt.runtime.cost import CallCosts, CostModel, NodeTrim
+from eagle_trt.runtime.cost import CallCosts, CostModel
 from eagle_trt.runtime.loop import Request
-from eagle_trt.runtime.two_call import TwoCallEngine
 from eagle_trt.runtime.onnxruntime_backend import OrtIteration
 
 SHAPE = TINY_SHAPE
@@ -26,22 +22,6 @@ def test_call_costs_interpolate_and_extend():
     assert costs(200) > costs(100)                                 # extended with the line's slope
     costs.add(400, 1.0, table=False)                               # a prefill informs only the line
     assert 400 not in costs.means
-
-
-def test_node_trim_verifies_the_nodes_that_pay_for_their_rows():
-    scores = torch.tensor([[0.9, 0.5, 0.2, 0.05, 0.01]]).log()
-    # 100 tok/s, 1.5 ms a row: a node pays for its row above p = 0.15
-    assert frozen_trim(per_row=0.0015).choose(scores, 5) == 3
-    assert frozen_trim(per_row=0.0015).choose(scores, 2) == 2          # never more than asked
-    assert frozen_trim(per_row=0.02).choose(scores, 5) == 1            # at least one node
-    assert frozen_trim(per_row=1e-9).choose(scores.to("meta"), 5) == 5  # rows free: scores never read
-    # a batch: rank j is verified when the batch's summed probabilities at rank j pay for B rows
-    pair = torch.tensor([[0.9, 0.5, 0.2, 0.05, 0.01], [0.9, 0.05, 0.04, 0.03, 0.02]]).log()
-    assert frozen_trim(per_row=0.0015).choose(pair, 5) == 2
-    # node order does not matter: ranks come from the scores
-    assert frozen_trim(per_row=0.0015).choose(scores[:, [4, 2, 0, 3, 1]], 5) == 3
-    fresh = NodeTrim()                                                    # warm-up: every node
-    assert fresh.choose(scores, 5) == 5
 
 
 def test_cost_model_falls_back_to_plain_decoding_when_verification_is_compute_bound():
@@ -187,21 +167,3 @@ def test_cost_model_choices_keep_outputs_identical(tiny_graphs, one_call, reques
         else:
             assert decoder.verified.count(0) <= 3 * (len(decoder.verified) // 32 + 1), decoder.verified   # re-timing
     assert subtrees or not one_call     # some steps verified subtrees in the one call
-
-
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_node_trim_keeps_outputs_identical(tiny_graphs, backend):
-    """Trees trimmed to the nodes that pay for their rows (sizes varying per iteration) decode
-    exactly what whole trees decode, alone and in batches."""
-    _, _, _, prompts = tiny_graphs
-    target, drafter = tiny_backends(tiny_graphs, backend)
-    solo = [two_call(target, drafter).generate(p, 30).tokens for p in prompts]
-    sizes = set()
-    for batch, per_row in ((1, 1e-4), (1, 1e-5), (4, 1e-4)):
-        decoder = two_call(target, drafter, trim=frozen_trim(per_row=per_row))
-        results = decoder.generate_batch([Request(p, 30) for p in prompts], max_batch=batch)
-        assert [r.tokens for r in results] == solo
-        sizes |= set(decoder.verified)
-    assert len(sizes - {SHAPE.total_tokens}) >= 2, sizes            # trimmed trees of several sizes ran
-    with pytest.raises(ConfigError, match="not both"):
-        TwoCallEngine(target, drafter, cost_model=CostModel(4, 6), trim=NodeTrim())

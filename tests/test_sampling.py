@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import eagle_trt.runtime.loop as loop_mod
-from conftest import capturing, frozen_trim, oracle_drafter, share, static, two_call, write_tiny_hf_target
+from conftest import capturing, oracle_drafter, share, static, two_call, write_tiny_hf_target
 from eagle_trt import verify
 from eagle_trt.checkpoints import LoadedTarget, load_target, random_drafter
 from eagle_trt.config import CaptureLayers, SamplingConfig, TreeShape
@@ -211,21 +211,6 @@ def test_speculative_sampling_matches_target_distribution(small_target, monkeypa
     P_VALUES[case] = p
     print(f"{case}: p = {p:.4g}, mean accept {sum(run.accept_lengths) / len(run.accept_lengths):.3f}, {run.stats}")
     assert p > 1e-3, f"speculative samples do not follow the target distribution (p = {p:.3g})"
-
-
-def test_trimmed_trees_keep_the_target_distribution(small_target, monkeypatch):
-    """Trees trimmed per iteration to the nodes whose draft probability pays for their rows
-    (runtime/cost.py NodeTrim) are still verified losslessly: which nodes are dropped depends on
-    the drafter alone, never on the target's draws."""
-    sampling = SamplingConfig(temperature=1.0)
-    dec = _decoder(small_target, _oracle(small_target), trim=frozen_trim(per_row=0.0005))
-    run = sample_speculative(dec, sampling, 800, seed0=70_000, monkeypatch=monkeypatch)
-    drafted = [n for n in dec.verified if n]
-    assert min(drafted) < SHAPE.total_tokens and len(set(drafted)) > 1, "no tree was trimmed: vacuous"
-    _assert_not_vacuous(run)
-    p = chi_square_p(run.counts, exact_joint(small_target, PROMPT, sampling))
-    print(f"trimmed trees: p = {p:.4g}, nodes verified {sorted(set(drafted))}, {run.stats}")
-    assert p > 1e-3, f"trimmed trees' samples do not follow the target distribution (p = {p:.3g})"
 
 
 @pytest.mark.parametrize("loop", ["two-call", "static"])

@@ -117,7 +117,8 @@ def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto
               (("starts", [0]), ("row_axis", [1]), ("rows_at", [1]), ("rows_end", [2]), ("axis2", [2]),
                ("width", [1, 1, width]))]
     n = helper.make_node
-    gathered = g + "next_captured" if cast_to is not None else "next_captured"
+    next_captured, next_ids = HANDOFF
+    gathered = g + next_captured if cast_to is not None else next_captured
     nodes = [
         n("Shape", [d + "captured"], [g + "drafter_shape"]),
         n("Slice", [g + "drafter_shape", g + "rows_at", g + "rows_end"], [g + "drafter_rows"]),
@@ -126,7 +127,7 @@ def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto
         n("Sub", [g + "first_col", g + "first_col"], [g + "zero_col"]),
         n("Expand", [g + "zero_col", g + "pad_shape"], [g + "pad"]),
     ]
-    for name, out in (("accept_path", g + "next_path"), ("accept_tokens", "next_input_ids")):
+    for name, out in (("accept_path", g + "next_path"), ("accept_tokens", next_ids)):
         nodes += [n("Concat", [name, g + "pad"], [g + name + "_padded"], axis=1),
                   n("Slice", [g + name + "_padded", g + "starts", g + "drafter_rows", g + "row_axis"], [out])]
     nodes += [
@@ -135,7 +136,7 @@ def _handoff_nodes(width: int, cast_to: int | None) -> tuple[list[onnx.NodeProto
         n("GatherElements", ["captured", g + "next_index"], [gathered], axis=1),
     ]
     if cast_to is not None:      # a target capturing in another precision than the drafter takes
-        nodes.append(n("Cast", [gathered], ["next_captured"], to=cast_to))
+        nodes.append(n("Cast", [gathered], [next_captured], to=cast_to))
     return nodes, consts
 
 
@@ -212,8 +213,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
               helper.make_tensor_value_info(VERIFY_NODES, TensorProto.INT64, [1]),
               *(i for i in target.graph.input if i.name not in TARGET_FED)]
     outputs = [*drafter.graph.output, helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
-               *target.graph.output, helper.make_tensor_value_info("next_captured", d_type, ["batch", rows, widths[0]]),
-               helper.make_tensor_value_info("next_input_ids", TensorProto.INT64, ["batch", rows])]
+               *target.graph.output, helper.make_tensor_value_info(HANDOFF[0], d_type, ["batch", rows, widths[0]]),
+               helper.make_tensor_value_info(HANDOFF[1], TensorProto.INT64, ["batch", rows])]
     # The drafter's model becomes the iteration graph in place: its initializers (its weights, where
     # they are held) are never copied; the target's point into its weights file.
     model, graph = drafter, drafter.graph

@@ -121,65 +121,6 @@ class CallCosts:
 
 
 @dataclass
-class NodeTrim:
-    """How many of each drafted tree's best nodes to verify this iteration, decided after
-    drafting from the trees' own scores (EAGLE-2's dynamic tree, made cost-aware).
-
-    A node's score is its cumulative draft log-probability, and the drafters are calibrated
-    (shipped EAGLE 3.1 drafter, 683 MT-bench iterations of a (6, 4, 24) tree: nodes at
-    exp(score) 0.1-0.2 were accepted 20% of the time, 0.5-0.7: 73%, 0.9-1: 97%), so verifying
-    the m best nodes of each tree is expected to yield G(m) = B + sum over the batch and the m
-    best ranks of exp(score) tokens, for target(B * (1 + m)) seconds of verification; drafting
-    and host work are paid whatever m is. The m that maximises tokens per second over the run
-    maximises G(m) - R * target(B * (1 + m)), R the rate the decoder achieves (Dinkelbach), so
-    a node is verified when its acceptance pays for its rows at that rate: on a CPU, where each
-    verified row costs ~1.2-1.6 ms, unlikely nodes are dropped, and where rows are nearly free
-    (a GPU) every node is kept, without reading the scores to the host at all.
-
-    target(rows): the decoder's own target calls, measured per row count (CallCosts); a row
-    count's first call is not counted (one-time allocations would rule it out for good).
-    R: tokens per second of whole iterations, exponentially weighted. Until `warmup` iterations
-    have run, every node is verified."""
-    warmup: int = 4
-    decay: float = 0.9
-    target: CallCosts = field(default_factory=CallCosts)
-    tokens: float = 0.0              # decayed sums over whole iterations
-    seconds: float = 0.0
-    iterations: int = 0
-    first_seen: set = field(default_factory=set)   # row counts whose first call was skipped
-
-    def time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
-        if not prefill and rows not in self.first_seen:
-            self.first_seen.add(rows)
-            return
-        self.target.add(rows, seconds, table=not prefill)
-
-    def time_iteration(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * self.decay + tokens
-        self.seconds = self.seconds * self.decay + seconds
-        self.iterations += 1
-
-    def choose(self, scores, n: int) -> int:
-        """scores: [B, N] cumulative draft log-probs of the batch's trees; n: the nodes each
-        would verify. Returns m in 1..n."""
-        if n <= 1 or self.iterations < self.warmup or not self.target.seen or self.seconds <= 0:
-            return n
-        B = scores.shape[0]
-        rate = self.tokens / self.seconds
-        cost = [self.target(B * (1 + m)) for m in range(n + 1)]
-        if rate * (cost[n] - min(cost[1:])) < 1e-3:   # all n nodes cost less than a thousandth of a token
-            return n
-        p = scores.float().exp().sort(-1, descending=True).values[:, :n].sum(0).tolist()
-        best, value, gained = n, float("-inf"), 0.0
-        for m in range(1, n + 1):
-            gained += p[m - 1]
-            v = gained - rate * cost[m]
-            if v > value:
-                best, value = m, v
-        return best
-
-
-@dataclass
 class CostModel:
     nodes: int                    # N: draft nodes per tree
     draft_rows_per_seq: int       # K * (D - 1): tree-expansion rows the drafter adds per sequence

@@ -12,7 +12,7 @@ An `Engine` owns the caches and the graph calls: `prefill` a prompt into the nex
 greedy it may commit its own acceptance, a whole iteration in one graph), `commit` the accepted
 rows, `leave` a slot. The engines: `static.StaticEngine` (PyTorch at fixed shapes, one CUDA
 graph an iteration on a GPU), `two_call.TwoCallEngine` (a drafter and a target backend called in
-turn: ONNX Runtime, TensorRT, Triton BLS; cost model, node trim) and `two_call.IterationEngine`
+turn: ONNX Runtime, TensorRT, Triton BLS; the cost model) and `two_call.IterationEngine`
 (ONNX Runtime's iteration graph). Without a drafter an engine decodes plainly."""
 from __future__ import annotations
 

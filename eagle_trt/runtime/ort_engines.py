@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..config import ConfigError, TreeShape
-from .cost import CostModel, NodeTrim
+from .cost import CostModel
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 from .sessions import FP8_SESSION
 from .two_call import IterationEngine, TwoCallEngine
@@ -28,12 +28,12 @@ class OrtBackends(NamedTuple):
     drafter: OrtDrafter | None = None
     iteration: OrtIteration | None = None
 
-    def engine(self, cost_model: CostModel | None = None, trim: NodeTrim | None = None) -> TwoCallEngine:
-        """The decoding engine over them: one iteration-graph call an iteration where there is one
-        (node trim picks nodes between two calls: it takes the two), else the two calls."""
-        if self.iteration is not None and trim is None:
+    def engine(self, cost_model: CostModel | None = None) -> TwoCallEngine:
+        """The decoding engine over them: one iteration-graph call an iteration where there is
+        one, else the two calls."""
+        if self.iteration is not None:
             return IterationEngine(self.iteration, cost_model)
-        return TwoCallEngine(self.target, self.drafter, cost_model, trim)
+        return TwoCallEngine(self.target, self.drafter, cost_model)
 
 
 def open_backends(graphs: dict[str, str | Path], shape: TreeShape | None, max_context: int, *,

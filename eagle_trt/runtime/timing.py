@@ -29,7 +29,6 @@ from typing import NamedTuple
 import torch
 
 from ..config import SamplingConfig, TreeShape
-from .cost import NodeTrim
 from .loop import DecodingLoop, GenerationResult
 from .onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 from .ort_engines import OrtBackends, open_backends
@@ -85,16 +84,16 @@ class OrtDecoding:
 
     @classmethod
     def open(cls, graphs: dict[str, str | Path], shape: TreeShape, max_context: int, eos: set[int], vocab_size: int,
-             threads: int | None = None, target: OrtTarget | None = None, trim: bool = False,
+             threads: int | None = None, target: OrtTarget | None = None,
              precision: dict[str, str] | None = None) -> OrtDecoding:
         """graphs: 'target', 'drafter_tree' and optionally 'iteration' (the two composed,
         export/iteration.py: each speculative iteration is then one call of it, the drafter graph
-        still catching up on prompts; it verifies every node, so it takes no trim)."""
+        still catching up on prompts)."""
         threads = ort_threads(threads)
         backends = open_backends(graphs, shape, max_context, threads=threads, target=target, precision=precision)
         plain = open_backends({"target": graphs["target"]}, None, max_context, threads=threads, spin="always",
                               precision=precision).target
-        decoder = DecodingLoop(backends.engine(trim=NodeTrim() if trim else None), eos, vocab_size)
+        decoder = DecodingLoop(backends.engine(), eos, vocab_size)
         return cls(backends, plain, decoder, DecodingLoop(TwoCallEngine(plain), eos, vocab_size), eos)
 
     @property
@@ -107,7 +106,7 @@ class OrtDecoding:
 
     @property
     def iteration(self) -> OrtIteration | None:
-        return getattr(self.decoder.engine, "iteration", None)     # None: no graph, or node trim's two calls
+        return self.backends.iteration
 
     @property
     def sessions(self) -> dict[str, OrtTarget | OrtDrafter | OrtIteration]:

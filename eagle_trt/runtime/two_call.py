@@ -3,8 +3,7 @@ BLS, and the PyTorch reference), for the decoding loop (loop.py).
 
 `TwoCallEngine`, one iteration of the B running sequences:
   1. the cost model (cost.py) picks n, the draft nodes each sequence verifies (all N without one);
-  2. n > 0: one drafter call encodes every sequence's newly committed rows and drafts its tree
-     (node trim may then cut n from the trees' scores);
+  2. n > 0: one drafter call encodes every sequence's newly committed rows and drafts its tree;
   3. one target call verifies each root and the n best nodes of its tree, and its greedy
      acceptance (the graph's own where it computed one) goes to the host in one transfer;
   4. commit: the accepted rows kept, their captured states held for the drafter.
@@ -24,11 +23,10 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..config import ConfigError
 from ..models.target import causal_mask
 from ..tree import DraftTree, rank_desc, rank_of, root_only_tree
 from .backend import DrafterBackend, KeptRows, TargetBackend, Verification
-from .cost import CostModel, NodeTrim
+from .cost import CostModel
 from .loop import Engine, Sequence, Verified
 
 
@@ -78,17 +76,12 @@ class _Iteration(NamedTuple):
 class TwoCallEngine(Engine):
     """drafter None: plain decoding (the target verifies each root alone).
     cost_model: choose per iteration how many draft nodes to verify (runtime/cost.py); None
-    verifies every node of every tree.
-    trim: without a cost model, verify per iteration only the nodes whose scores pay for their
-    rows (runtime/cost.py NodeTrim; bench --node-trim)."""
+    verifies every node of every tree."""
 
     def __init__(self, target: TargetBackend, drafter: DrafterBackend | None = None,
-                 cost_model: CostModel | None = None, trim: NodeTrim | None = None):
-        if cost_model is not None and trim is not None:
-            raise ConfigError("an engine takes a cost model or a node trim, not both (the cost model picks n per batch)")
+                 cost_model: CostModel | None = None):
         self.target, self.drafter = target, drafter
         self.cost_model = cost_model if drafter is not None else None
-        self.trim = trim if drafter is not None else None
         self.nodes = drafter.shape.total_tokens if drafter is not None else 0
         self.max_context = target.max_context
         # per slot: the target states of committed rows the drafter has not encoded (blocks from
@@ -102,10 +95,10 @@ class TwoCallEngine(Engine):
     def backends(self) -> tuple:
         return tuple(b for b in (self.target, self.drafter) if b is not None)
 
-    # ---- timing, for the cost model and node trim ----
+    # ---- timing, for the cost model ----
 
     def _timed(self, call, record):
-        if self.cost_model is None and self.trim is None:
+        if self.cost_model is None:
             return call()
         start = time.perf_counter()
         out = call()
@@ -113,12 +106,11 @@ class TwoCallEngine(Engine):
         return out
 
     def _time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
-        for timer in (self.cost_model, self.trim):
-            if timer is not None:
-                timer.time_target(rows, seconds, prefill)
+        if self.cost_model is not None:
+            self.cost_model.time_target(rows, seconds, prefill)
 
     def _time_draft(self, batch: int, rows: int, seconds: float) -> None:
-        if self.cost_model is not None:     # NodeTrim decides after drafting: it needs no drafter costs
+        if self.cost_model is not None:
             self.cost_model.time_draft(batch, rows, seconds)
 
     # ---- the Engine interface ----
@@ -173,8 +165,6 @@ class TwoCallEngine(Engine):
         verified = out = None
         if n > 0:
             full, catch_up, out = self._draft(B, n)   # out: verified in the same call
-            if self.trim is not None:
-                n = self.trim.choose(full.scores, n)
             verified = full.top(n)
         if out is None:
             out = self._timed(lambda: self.target.verify(roots, verified), lambda s: self._time_target(B * (1 + n), s))
@@ -202,11 +192,8 @@ class TwoCallEngine(Engine):
             for i, path in enumerate(paths):
                 self.cost_model.observe([rank_of(it.score_rows[i], j - 1) for j in path[1:]] if it.score_rows is not None
                                         else [it.rows[i][it.ranks_at + j - 1] for j in path[1:]], it.nodes)
-        seconds = time.perf_counter() - it.start - it.catch_up
         if self.cost_model is not None:
-            self.cost_model.time_iteration(len(paths), it.nodes, seconds)
-        if self.trim is not None:
-            self.trim.time_iteration(sum(map(len, tokens)), seconds)
+            self.cost_model.time_iteration(len(paths), it.nodes, time.perf_counter() - it.start - it.catch_up)
         self.handoff = None
         if self.drafter is None:
             return
