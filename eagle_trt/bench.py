@@ -327,19 +327,19 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     if levels:
         print(f"concurrency {levels} on {args.concurrency_prompts} MT-bench prompts:", file=sys.stderr)
         with decoding_threads():
-            concurrent = concurrency.measure(target, ort.drafter, eos, vocab, held[0], args.max_new_tokens, levels,
-                                             warm=held[1], repeats=args.concurrency_repeats, plain_target=ort.plain,
-                                             iteration=ort.iteration)
+            concurrent = concurrency.measure(target, ort.backends.drafter, eos, vocab, held[0], args.max_new_tokens,
+                                             levels, warm=held[1], repeats=args.concurrency_repeats,
+                                             plain_target=ort.plain, iteration=ort.backends.iteration)
     report = {"target": str(f32.target.folder), "drafter": f32.drafter_source,
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
-              "drafter_weights": args.drafter_weights, "iteration_graph": ort.iteration is not None,
+              "drafter_weights": args.drafter_weights, "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
               "tree": [shape.depth, shape.top_k, shape.total_tokens],
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
     print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
-          f"{', one call an iteration' if ort.iteration is not None else ''}), tree {tuple(report['tree'])}"
+          f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}"
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:

@@ -1,22 +1,17 @@
 """What `python -m eagle_trt.bench` measures (bench.py is its command line and report).
 
-The comparison (a CPU, the default there): per workload, `transformers` generate, autoregressive
-and speculative decoding on the same ONNX graphs (`run_workload`: the two ONNX Runtime modes
-alternate, each prompt's fastest of `repeats` runs counts, runtime/timing.py), after a tree
-sweep (`sweep_trees`).
+The comparison (a CPU): per workload, `transformers` generate, autoregressive and speculative
+decoding on the same ONNX graphs (`run_workload`: the two ONNX Runtime modes alternate, each
+prompt's fastest of `repeats` runs counts, runtime/timing.py), after a tree sweep.
 
-The rows (a GPU, or --rows): each prompt through every row in turn (`run`), the rows' order
-reversed every other repeat and each row's fastest run counting:
-- `captured-plain` / `captured-speculative` (one row per tree): the decoding loop on the PyTorch
-  engine at fixed shapes (runtime/static.py), each iteration replayed as one CUDA graph on a GPU,
-  the GPU's busy time in the replays measured with CUDA events; on a CPU the same, uncaptured;
-- `transformers-compiled`: generate() with a StaticCache, with which transformers compiles its
-  decode step on a GPU (torch.compile, CUDA graphs), as its docs recommend; `transformers-eager`:
-  generate() as it comes (the comparison's baseline);
-- `onnxruntime-cuda` / `onnxruntime-cuda-host-kv` / `onnxruntime-cpu`: the exported graphs, plain
-  and speculative, on ONNX Runtime's CUDA provider (the KV caches on the GPU, or in host memory)
-  and on its CPU provider, the reference the CUDA rows' outputs are compared with; a provider that
-  cannot run them is the row's result."""
+The rows (a GPU, or --rows): each prompt through every row in turn (`run`), the order reversed
+every other repeat, each row's fastest run counting: `captured-plain` / `captured-speculative`
+(one per tree: the PyTorch engine, runtime/static.py, each iteration one CUDA graph on a GPU, the
+GPU's busy time from CUDA events; uncaptured on a CPU); `transformers-compiled` (generate() with a
+StaticCache, compiled on a GPU as its docs recommend) and `transformers-eager`; and the exported
+graphs, plain and speculative, on ONNX Runtime's CUDA provider (`onnxruntime-cuda`, the KV caches
+on the GPU; `-host-kv`, in host memory) and its CPU provider (`onnxruntime-cpu`, the reference
+the CUDA rows are compared with); a provider that cannot run them is the row's result."""
 from __future__ import annotations
 
 import resource

@@ -137,28 +137,28 @@ def main(argv=None) -> int:
     prompts = real_prompt_ids(models, args.prompts + held_out)
     ort = OrtDecoding.open(graphs, shape, models.target.config.max_position_embeddings, models.eos_ids,
                            models.target.config.vocab_size, threads=args.threads)
-    if ort.iteration is not None:
-        ort.iteration.handoff = ort.iteration.has_handoff and not args.no_handoff
-        one_call = ort.iteration.any_nodes
+    if ort.backends.iteration is not None:
+        ort.backends.iteration.handoff = ort.backends.iteration.has_handoff and not args.no_handoff
+        one_call = ort.backends.iteration.any_nodes
 
         def subtree_calls(k: int) -> str:   # run k's way of verifying subtrees
             way = args.subtree_calls if args.subtree_calls != "alternate" else ("one", "two")[k % 2]
-            ort.iteration.any_nodes = one_call and way == "one"
+            ort.backends.iteration.any_nodes = one_call and way == "one"
             return f", subtrees in {way} call{'s' if way == 'two' else ''}"
     ort.warm_up(prompts[0])
     batched = None
     if args.streams > 1:   # warmed up as bench --concurrency does: the cost model's first timings stay out
         model = (CostModel if args.nodes is None else fixed_nodes(args.nodes))(shape.total_tokens,
                                                                               shape.top_k * (shape.depth - 1))
-        engine = IterationEngine(ort.iteration, model) if ort.iteration else TwoCallEngine(ort.target, ort.drafter, model)
+        engine = IterationEngine(ort.backends.iteration, model) if ort.backends.iteration else TwoCallEngine(ort.backends.target, ort.backends.drafter, model)
         batched = DecodingLoop(engine, models.eos_ids, models.target.config.vocab_size)
         run(ort, prompts[:held_out], min(32, args.max_new_tokens), batched, args.streams, sampling)
     measured = prompts[held_out:]
     sessions = ort.sessions
     made = [(b.made, b.rebound) for b in (s.bindings for s in sessions.values())]
-    counted, calls = 0, ort.iteration and (ort.iteration.graph_calls, ort.iteration.handoffs)
+    counted, calls = 0, ort.backends.iteration and (ort.backends.iteration.graph_calls, ort.backends.iteration.handoffs)
     for k in range(args.runs):
-        way = subtree_calls(k) if ort.iteration is not None else ""
+        way = subtree_calls(k) if ort.backends.iteration is not None else ""
         wall, graph, iterations = run(ort, measured, args.max_new_tokens, batched, args.streams, sampling)
         if batched is not None:
             print(f"{args.streams} streams, draft nodes verified per sequence and iteration "
@@ -168,9 +168,9 @@ def main(argv=None) -> int:
               f"{iterations} iterations, {1e3 * wall / iterations:.2f} ms each, of which graph calls "
               f"{1e3 * graph / iterations:.2f} ms and host work {1e3 * (wall - graph) / iterations:.2f} ms", flush=True)
         counted += iterations
-    if ort.iteration is not None:
-        print(f"iteration graph calls taking the last call's hand-off in place: {ort.iteration.handoffs - calls[1]} "
-              f"of {ort.iteration.graph_calls - calls[0]}")
+    if ort.backends.iteration is not None:
+        print(f"iteration graph calls taking the last call's hand-off in place: {ort.backends.iteration.handoffs - calls[1]} "
+              f"of {ort.backends.iteration.graph_calls - calls[0]}")
     made = [(b.made - m, b.rebound - r) for b, (m, r) in zip((s.bindings for s in sessions.values()), made)]
     print("ONNX Runtime bindings per iteration (made new / past bound again): " + ", ".join(
         f"{role.removesuffix('_graph')} {m / counted:.2f} / {r / counted:.2f}" for role, (m, r) in zip(sessions, made)))

@@ -148,7 +148,7 @@ def test_cost_model_choices_keep_outputs_identical(tiny_graphs, one_call, reques
             model.time_iteration(batch, 0, fixed + per_row * batch)
         # keep the seeded costs and acceptance: the tiny model's real ones (and a loaded machine's
         # drafter timings) would decide otherwise
-        model.time_target = lambda rows, seconds, prefill=False: None
+        model.time_target = model.time_prefill = lambda rows, seconds: None
         model.time_draft = lambda batch, new_rows, seconds: None
         model.time_catch_up = lambda rows, seconds: None
         model.time_iteration = lambda batch, n, seconds: None

@@ -139,15 +139,12 @@ class KeptRows(list):
 
 @dataclass
 class Verification:
-    """What one target call returns, on any backend: logits [b, K, V] of the rows that get them,
-    the captured states [b, T, A * H], and for a verification its input ids [b, T] and tree
-    mask [b, T, T] (acceptance reads them). Outputs may be the backend's own buffers, valid
-    until its next call of the same shape.
-    accepted: (path [b, K], length [b], tokens [b, K]) where the graph computed its own greedy
-    acceptance in this call (every exported target graph does), so none is computed on the host.
-    handoff: (states [b, R, W], ids [b, R]), the iteration graph's block of each sequence's
-    accepted states and tokens, gathered in the graph in the shape of its own drafter inputs.
-    captured_host: `captured` as a numpy view where the backend has one."""
+    """What one target call returns, on any backend (its own buffers, valid until its next call of
+    the same shape): logits [b, K, V], captured states [b, T, A * H], and for a verification its
+    input ids [b, T] and tree mask [b, T, T]. accepted: (path [b, K], length [b], tokens [b, K]),
+    the graph's own greedy acceptance where it computed one (every exported target graph does).
+    handoff: (states [b, R, W], ids [b, R]), the iteration graph's block of the accepted rows in
+    the shape of its drafter inputs. captured_host: `captured` as a numpy view, where there is one."""
     logits: Tensor
     captured: Tensor
     ids: Tensor | None = None

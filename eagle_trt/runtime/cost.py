@@ -165,8 +165,11 @@ class CostModel:
             out.append(out[-1] + g)
         return out
 
-    def time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
-        self.target.add(rows, seconds, table=not prefill)
+    def time_target(self, rows: int, seconds: float) -> None:
+        self.target.add(rows, seconds)
+
+    def time_prefill(self, rows: int, seconds: float) -> None:
+        self.target.add(rows, seconds, table=False)       # informs the line only: it has no past
 
     def time_draft(self, batch: int, new_rows: int, seconds: float) -> None:
         self.draft.add(batch * (new_rows + self.draft_rows_per_seq), seconds)

@@ -106,13 +106,11 @@ class Sequence:
 
 @dataclass
 class Verified:
-    """One iteration's verification of the running batch, as an engine hands it to the loop.
+    """An iteration's verification of the running batch, as an engine hands it to the loop.
     greedy: per sequence [*path (K), length, *tokens (K), ...] as host ints, the engine's greedy
-    acceptance: the verified rows on the accepted path (root first), how many, and the tokens
-    they add (the accepted drafts, then the target's bonus token); width K. committed: the
-    engine committed those paths itself (every sequence greedy). For sampled sequences: logits
-    [B, T, V], ids [B, T] (root, then the tree's tokens) and tree(i), sequence i's verified tree
-    on the host."""
+    acceptance (the accepted verified rows, root first; the tokens they add, bonus last); width K.
+    committed: the engine committed those itself. For sampled sequences: logits [B, T, V], ids
+    [B, T] (root, then the tree's tokens) and tree(i), sequence i's verified tree on the host."""
     greedy: list[list[int]]
     width: int
     nodes: int                   # draft nodes verified per sequence (0: a step of plain decoding)
@@ -126,10 +124,12 @@ class Verified:
 class Engine:
     """What the loop asks of an engine (see the module docstring). `nodes`: draft nodes a tree
     has (0: plain decoding); `max_context`: the longest prompt + new tokens it takes;
-    `max_batch`: the most sequences it runs at once (None: no bound)."""
+    `max_batch`: the most sequences it runs at once (None: no bound); `backends`: the graph
+    sessions whose calls it times (graph_seconds; runtime/timing.py)."""
     nodes: int = 0
     max_context: int
     max_batch: int | None = None
+    backends: tuple = ()
 
     def reset(self) -> None:
         raise NotImplementedError
@@ -149,11 +149,6 @@ class Engine:
     def leave(self, slot: int) -> None:
         raise NotImplementedError
 
-    @property
-    def backends(self) -> tuple:
-        """The graph sessions whose calls it times (graph_seconds; runtime/timing.py)."""
-        return ()
-
 
 class DecodingLoop:
     """Requests join (`add`), every running sequence advances one iteration per `step`, and the
@@ -166,10 +161,6 @@ class DecodingLoop:
         self.vocab_size = vocab_size
         self.active: list[Sequence] = []
         self.verified: list[int] = []
-
-    def reset(self) -> None:
-        self.active = []
-        self.engine.reset()
 
     def add(self, request: Request) -> Sequence:
         """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
@@ -242,8 +233,7 @@ class DecodingLoop:
     def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
         """Decode every request, at most max_batch at a time: a request joins as soon as a running
         one finishes (offline continuous batching; the Triton model feeds `add` from its queue)."""
-        if self.engine.max_batch is not None:
-            max_batch = min(max_batch, self.engine.max_batch)
+        max_batch = min(max_batch, self.engine.max_batch or max_batch)
         waiting, seqs = list(requests), []
         now = time.perf_counter()
         for r in waiting:

@@ -1,37 +1,30 @@
 """The PyTorch engine of the decoding loop (loop.py): every tensor at a fixed shape and all state
 on the device, so that a whole iteration replays as one CUDA graph (the way SGLang's EAGLE
-worker and TensorRT-LLM's one-model path run on a GPU). On a CPU the same functions run as they
-are. It calls the models (models/target.py, models/drafter.py) directly.
+worker and TensorRT-LLM's one-model path run on a GPU); on a CPU the same functions run as they
+are. It calls the models directly.
 
-State, laid out for `max_batch` slots of `capacity` rows (sequence b lives in slot b):
-    target KV  [2, L, B, Hkv, S, D] and drafter KV [2, 1, B, Hkv, S, D]  (KVCache, fixed layout)
-    lengths [B]   target rows committed (= the root's position); drafted [B]: drafter rows
-    roots [B]     the last committed token, which the target has not seen yet
-    hand-off      states [B, R, A * Ht], ids [B, R], count [B]: the rows the drafter encodes next
-                  (the target's captured states of the rows it accepted, paired with the tokens
-                  one position later; R = the longest path an iteration accepts)
+State, laid out for `max_batch` slots of `capacity` rows (sequence b lives in slot b): the target
+KV [2, L, B, Hkv, S, D] and drafter KV [2, 1, B, Hkv, S, D] (KVCache, fixed layout); lengths [B]
+(target rows committed = the root's position) and drafted [B] (drafter rows); roots [B] (the last
+committed token); the hand-off: states [B, R, A * Ht], ids [B, R], count [B], the rows the drafter
+encodes next (the captured states of the rows the target accepted, paired with the tokens one
+position later; R = the longest path an iteration accepts).
 
 One iteration of the B running sequences (`iteration`), fixed shapes throughout:
   1. the drafter encodes its hand-off rows and expands each tree (tree.draft_trees, the
      function the drafter graph is exported from), reading its cache at full capacity;
-  2. the target verifies root + N nodes (backend.verification_inputs, as every backend does)
-     with attention over its whole cache, rows past each sequence's length masked;
+  2. the target verifies root + N nodes (backend.verification_inputs) over its whole cache,
+     rows past each sequence's length masked;
   3. greedy acceptance (verify.accept_greedy_batch, the target graph's own);
-  4. commit: all T verified rows, in path order, are written at rows lengths.. of each slot and
-     lengths grow by the path's length: rows past it sit beyond the new length, masked, and are
-     overwritten later (no tensor shape depends on how much was accepted); the drafter's rows
-     likewise;
+  4. commit: all T verified rows, in path order, written at rows lengths.. of each slot, lengths
+     grown by the path's length (rows past it sit beyond the new length, masked: no shape
+     depends on how much was accepted); the drafter's rows likewise;
   5. the hand-off for the next iteration, and the new roots.
-It returns paths, lengths and tokens packed as one [B, 2T + 1] tensor: the one copy to the host
-an iteration makes (streaming and stop checks). With sampled sequences in the batch the loop
-accepts on the host (verify.accept_sampled with their own seeded generators): the iteration
-then splits at step 3 into two graphs, the host's paths copied in between.
-
-Prefill runs outside the graphs, one request at a time as it joins (prompt lengths differ). A
-sequence that leaves frees its slot and the last one moves into it, so the running sequences
-are always slots 0..B-1 and there is one graph per batch size. A request that needs more rows
-than a slot holds lays the caches out again, larger, before it joins (new CUDA graphs on a GPU:
-give a capacity there)."""
+It returns paths, lengths and tokens as one [B, 2T + 1] tensor: the one copy to the host an
+iteration makes. A batch with sampled sequences splits at step 3 into two graphs, the host's
+acceptance copied in between. Prefill runs outside the graphs, one request at a time. A request
+that needs more rows than a slot holds lays the caches out again, larger, before it joins (new
+CUDA graphs on a GPU: give a capacity there)."""
 from __future__ import annotations
 
 import time
@@ -132,11 +125,9 @@ class Replayer:
 
 
 class PrefillCache:
-    """The last prompt's prefill by the target (its new KV rows, captured states and last-row
-    logits), shared by engines over one target model: `evaluate` runs every drafter and tree on
-    a prompt back to back, and a long prompt's prefill is most of the time (a ~7k-token prefill
-    takes ~270 s of one core, the 128 tokens after it ~25 s). What it hands out is exactly what
-    the same call would compute; nothing writes into it."""
+    """The last prompt's prefill (new KV rows, captured states, last-row logits), shared by engines
+    over one target: `evaluate` runs every drafter and tree on a prompt back to back, and a long
+    prompt's prefill is most of the time (~7k tokens: ~270 s of one core, 128 tokens after: ~25 s)."""
 
     def __init__(self):
         self.prompt: list[int] | None = None
@@ -150,14 +141,13 @@ class PrefillCache:
 
 
 class StaticEngine(Engine):
-    """Decoding on the PyTorch models at fixed shapes (see the module docstring), with the same
-    results token for token as every other engine (tests/test_static.py). drafter None: plain
-    decoding, run and captured the same way (the fair baseline on a GPU).
-    capacity: rows a slot holds (a prompt, its new tokens and the rows an iteration stages);
-    None: as many as the running requests need, laid out again when a request needs more, or
-    when the batch is empty and the next request needs less than half. capture: 'auto' (CUDA
-    graphs on a GPU), 'cuda-graph' (required) or 'off'; compile: torch.compile the iteration
-    too. prefills: a PrefillCache shared with other engines over the same target."""
+    """Decoding on the PyTorch models at fixed shapes (module docstring), token for token what
+    every other engine gives (tests/test_static.py). drafter None: plain decoding, captured the
+    same way (the fair baseline on a GPU). capacity: rows a slot holds (a prompt, its new tokens,
+    the rows an iteration stages); None: what the running requests need, laid out again when a
+    request needs more or, the batch empty, less than half. capture: 'auto' (CUDA graphs on a
+    GPU), 'cuda-graph' (required) or 'off'; compile: torch.compile the iteration too. prefills:
+    a PrefillCache shared with other engines over the same target."""
 
     def __init__(self, target: LlamaTarget, drafter: EagleDrafter | None = None, shape: TreeShape | None = None,
                  max_batch: int = 8, capacity: int | None = None, capture: str = "auto", compile: bool = False,
@@ -197,9 +187,7 @@ class StaticEngine(Engine):
     @staticmethod
     def staged_rows(shape: TreeShape | None) -> int:
         """Rows past a sequence's end an iteration writes: the verified rows and the hand-off."""
-        if shape is None:
-            return 2
-        return shape.total_tokens + 1 + min(shape.depth, shape.total_tokens) + 1
+        return 2 if shape is None else shape.total_tokens + 1 + min(shape.depth, shape.total_tokens) + 1
 
     def _lay_out(self, capacity: int) -> None:
         """The caches at `capacity` rows a slot, the committed rows of running sequences kept;

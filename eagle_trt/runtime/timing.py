@@ -97,22 +97,10 @@ class OrtDecoding:
         return cls(backends, plain, decoder, DecodingLoop(TwoCallEngine(plain), eos, vocab_size), eos)
 
     @property
-    def target(self) -> OrtTarget:
-        return self.backends.target
-
-    @property
-    def drafter(self) -> OrtDrafter:
-        return self.backends.drafter
-
-    @property
-    def iteration(self) -> OrtIteration | None:
-        return self.backends.iteration
-
-    @property
     def sessions(self) -> dict[str, OrtTarget | OrtDrafter | OrtIteration]:
         """The speculative loop's sessions by role (the keys of Compared.graph_seconds)."""
-        roles = {"target_graph": self.target, "drafter_graph": self.drafter, "iteration_graph": self.iteration}
-        return {role: s for role, s in roles.items() if s is not None}
+        return {role: s for role, s in zip(("target_graph", "drafter_graph", "iteration_graph"), self.backends)
+                if s is not None}
 
     def warm_up(self, ids: list[int], tokens: int = 8) -> None:
         with decoding_threads():

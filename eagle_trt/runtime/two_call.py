@@ -95,23 +95,14 @@ class TwoCallEngine(Engine):
     def backends(self) -> tuple:
         return tuple(b for b in (self.target, self.drafter) if b is not None)
 
-    # ---- timing, for the cost model ----
-
-    def _timed(self, call, record):
+    def _timed(self, call, record: str, *args):
+        """call(), its seconds given to the cost model's `record` after `args` (where there is one)."""
         if self.cost_model is None:
             return call()
         start = time.perf_counter()
         out = call()
-        record(time.perf_counter() - start)
+        getattr(self.cost_model, record)(*args, time.perf_counter() - start)
         return out
-
-    def _time_target(self, rows: int, seconds: float, prefill: bool = False) -> None:
-        if self.cost_model is not None:
-            self.cost_model.time_target(rows, seconds, prefill)
-
-    def _time_draft(self, batch: int, rows: int, seconds: float) -> None:
-        if self.cost_model is not None:
-            self.cost_model.time_draft(batch, rows, seconds)
 
     # ---- the Engine interface ----
 
@@ -129,7 +120,7 @@ class TwoCallEngine(Engine):
         slot = self.target.add_sequence()
         out = self._timed(lambda: self.target.forward(torch.tensor([prompt_ids]), torch.arange(n)[None],
                                                       causal_mask(n, 0), range(slot, slot + 1), last_only=True),
-                          lambda s: self._time_target(n, s, prefill=True))
+                          "time_prefill", n)
         self.target.commit([list(range(n))])
         first = self.target.greedy_next(out)[0] if pick is None else pick(out.logits[0, -1])
         if self.drafter is not None:
@@ -159,22 +150,19 @@ class TwoCallEngine(Engine):
             left = [batch[i].request.max_new_tokens - len(batch[i].result.tokens) for i in behind]
             n = self.cost_model.choose(B, sum(self._backlog(i) for i in behind), sum(left) // max(len(left), 1))
         roots = [s.result.tokens[-1] for s in batch]
-        # the verified trees, where the drafter made them: every node, or each tree's n best (one
-        # batched selection); the verification inputs are built there too, so on a GPU the only
-        # host-to-device copies are the roots and lengths
+        # each tree's n best nodes, where the drafter made them (the verification inputs are built
+        # there: on a GPU the only host-to-device copies are the roots and lengths)
         verified = out = None
         if n > 0:
             full, catch_up, out = self._draft(B, n)   # out: verified in the same call
             verified = full.top(n)
         if out is None:
-            out = self._timed(lambda: self.target.verify(roots, verified), lambda s: self._time_target(B * (1 + n), s))
-        # greedy rows: the whole batch at once (inside the target graph where it has the accept_*
-        # outputs), and one transfer to the host of every path, length and token (and, for the
-        # cost model, each node's rank in its tree)
+            out = self._timed(lambda: self.target.verify(roots, verified), "time_target", B * (1 + n))
+        # greedy acceptance of the whole batch (the graph's own where it has one), one transfer to
+        # the host of every path, length and token (and the nodes' ranks the cost model reads:
+        # on a device ranked there, on the CPU in Python from the scores as lists)
         path, length, tokens = self.target.accept_greedy(out)
         observe = self.cost_model is not None and verified is not None
-        # the accepted nodes' score ranks for the cost model: on a device ranked there and sent
-        # with the paths; on the CPU ranked in Python, accepted nodes only, from the scores as lists
         scores = verified.host_scores() if observe else None
         score_rows = scores.tolist() if isinstance(scores, np.ndarray) else None
         rows = _host_rows(path, length, tokens, rank_desc(scores) if observe and score_rows is None else None)
@@ -245,16 +233,14 @@ class TwoCallEngine(Engine):
         return states, ids, lengths, T
 
     def _drafted(self, B: int) -> None:
-        for i in range(B):
-            self.pending_states[i], self.pending_ids[i] = [], []
+        self.pending_states[:B], self.pending_ids[:B] = [[] for _ in range(B)], [[] for _ in range(B)]
 
     def _draft(self, B: int, n: int) -> tuple[DraftTree, float, Verification | None]:
         """The batch's trees, the seconds spent catching the drafter up on backlogs, and where the
         same call verified them, the verification (None: the target verifies)."""
         catch_up = self._catch_up(B)
         states, ids, lengths, T = self._drafter_inputs(B)
-        trees = self._timed(lambda: self.drafter.draft(states, ids, lengths),
-                            lambda sec: self._time_draft(B, T, sec))
+        trees = self._timed(lambda: self.drafter.draft(states, ids, lengths), "time_draft", B, T)
         self._drafted(B)
         return trees, catch_up, None
 
