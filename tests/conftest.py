@@ -314,16 +314,28 @@ def smollm2_onnx_dir(request, smollm2, smollm2_tokenizer) -> Path:
     test that runs SmolLM2 on ONNX Runtime, in export_pipeline's layout. Read it in place, or
     give a CLI a copy (`onnx_dir_copy`), where export_pipeline finds them current. It lives in
     the cache, exported under a lock: the second test worker (and the next run) finds it
-    current instead of exporting again."""
+    current instead of exporting again. One folder per version of the exporting code: a
+    checkout with other code sharing the cache (another branch on the same machine) exports
+    into its own folder instead of replacing these graphs while a run reads them; folders no
+    run has used for a week are removed."""
+    import hashlib
+    import time
     from eagle_trt.api import Models
     from eagle_trt.checkpoints import cache_dir, cache_lock
+    from eagle_trt.codehash import code_digest
     from eagle_trt.config import TreeShape
-    from eagle_trt.export import export_pipeline
+    from eagle_trt.export import EXPORTER, GRAPH_FORMAT, export_pipeline
     drafter = random_drafter(smollm2, "eagle3.1", seed=1, draft_vocab_size=64)
-    folder = cache_dir() / "test-graphs" / "smollm2"
+    graphs = cache_dir() / "test-graphs"
+    version = hashlib.sha256(f"{GRAPH_FORMAT} {code_digest(EXPORTER)}".encode()).hexdigest()[:16]
+    folder = graphs / f"smollm2-{version}"
     with cache_lock(folder):
         export_pipeline(Models(capturing(smollm2, drafter), drafter, "random", smollm2_tokenizer), TreeShape(3, 2, 4),
                         folder, log=None, only=("target",))
+        os.utime(folder)                        # used now
+        for old in graphs.glob("smollm2*"):
+            if old.is_dir() and old != folder and time.time() - old.stat().st_mtime > 7 * 86400:
+                shutil.rmtree(old, ignore_errors=True)
     return share(request, folder)
 
 
