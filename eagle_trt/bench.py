@@ -339,7 +339,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
     print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
-          f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}"
+          f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")
     if results:
