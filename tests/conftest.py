@@ -117,7 +117,8 @@ def _shared_fixtures_unchanged(request):
 # on its lock) and ends with quick ones: steals then move quick tests, the workers finish
 # together, and a module's fixtures are set up once. Modules stay contiguous; the order does not
 # change what any test checks.
-FIRST_HALF_HEAVY = ("test_lossless_greedy.py", "test_onnx_smollm2.py", "test_static.py", "test_cli.py")
+FIRST_HALF_HEAVY = ("test_lossless_greedy.py", "test_onnx_smollm2.py", "test_static.py", "test_bench_rows.py",
+                    "test_cli.py")
 SECOND_HALF_HEAVY = ("test_triton_serving.py", "test_quant_smollm2.py", "test_evaluate.py", "test_build_stages.py",
                      "test_sampling.py", "test_families.py")
 # Many small tests on session fixtures only: last among the quick ones, where the halves meet.

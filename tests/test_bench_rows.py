@@ -19,7 +19,7 @@ def test_bench_rows_decode_alike_on_the_cpu(smollm2, smollm2_onnx_dir, tmp_path,
     out = tmp_path / "out"
     onnx = onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")
     common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--workloads", "mtbench", "--prompts", "2",
-              "--max-new-tokens", "12", "--tree", "3,2,4", "--onnx-dir", str(onnx), "--drafter-weights", "float32"]
+              "--max-new-tokens", "8", "--tree", "3,2,4", "--onnx-dir", str(onnx), "--drafter-weights", "float32"]
     code = main(common + ["--rows", "captured-plain,captured-speculative,onnxruntime-cpu,onnxruntime-cuda,"
                           "onnxruntime-cuda-host-kv", "--repeats", "2", "--concurrency", "1,2",
                           "--concurrency-prompts", "2", "--concurrency-repeats", "1", "--out", str(out)])
@@ -43,7 +43,7 @@ def test_bench_rows_decode_alike_on_the_cpu(smollm2, smollm2_onnx_dir, tmp_path,
     batched = report["concurrency"]
     assert [(r["streams"], r["mode"]) for r in batched] == [
         (c, m) for c in (1, 2) for m in ("captured plain", "captured speculative 3,2,4")]
-    assert all(r["identical_to_solo"] and 0 < r["tokens"] <= 24 for r in batched)
+    assert all(r["identical_to_solo"] and 0 < r["tokens"] <= 16 for r in batched)
     assert (out / "concurrency.png").read_bytes()[:4] == b"\x89PNG" and "continuously batched" in printed
 
     # --temperature on the rows: every row samples, prompt i seeded with i; outputs not compared

@@ -62,34 +62,20 @@ def test_evaluate_cli_reports_same_tokens_for_two_copies_of_a_drafter(smollm2, t
         evaluate.parse_trees("3,2", 2, "4,3,2")
 
 
-def test_prefill_once_reuses_only_an_identical_prompt(smollm2):
-    """The shared prefill returns the call's own outputs for the same prompt and recomputes for
-    another one; calls with a past are never reused."""
-    import torch
-    from eagle_trt.models.target import causal_mask
-    calls = []
-    hook = smollm2.model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape))
+def test_a_shared_prefill_is_reused_only_for_an_identical_prompt(smollm2):
+    """evaluate's engines share one PrefillCache: the same prompt is prefilled once for all of
+    them (the same tokens follow), another prompt is prefilled again, decoding steps never reuse."""
+    from conftest import static
+    from eagle_trt.runtime.static import PrefillCache
+    prefills, calls = PrefillCache(), []
+    hook = smollm2.model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
     try:
-        target = evaluate.PrefillOnce(smollm2.model)
-        target.reset()
-
-        def prefill(ids):
-            n = len(ids)
-            slot = target.add_sequence()
-            out = target.forward(torch.tensor([ids]), torch.arange(n)[None], causal_mask(n, 0), range(slot, slot + 1),
-                                 last_only=True)
-            target.commit([list(range(n))])
-            return out
-        a = prefill([1, 2, 3, 4])
-        target.reset()
-        b = prefill([1, 2, 3, 4])
-        assert len(calls) == 1 and all(torch.equal(x, y) for x, y in zip(a, b))
-        target.reset()
-        c = prefill([1, 2, 3, 5])
-        assert len(calls) == 2 and not torch.equal(a[0], c[0])
-        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
-        target.forward(torch.tensor([[6]]), torch.tensor([[4]]), torch.ones(1, 1, 1, dtype=torch.bool), range(0, 1))
-        assert len(calls) == 4
+        first, second = (static(smollm2.model, max_batch=1, prefills=prefills) for _ in range(2))
+        a = first.generate([1, 2, 3, 4], 3).tokens
+        assert calls == [4, 1, 1]
+        assert second.generate([1, 2, 3, 4], 3).tokens == a and calls == [4, 1, 1, 1, 1]
+        first.generate([1, 2, 3, 5], 3)
+        assert calls[5:] == [4, 1, 1]
     finally:
         hook.remove()
 
@@ -224,9 +210,10 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
     from types import SimpleNamespace
 
     from eagle_trt.runtime.loop import GenerationResult
+    from eagle_trt.runtime.ort_engines import OrtBackends
     from eagle_trt.runtime.timing import OrtDecoding
     target, drafter = SimpleNamespace(graph_seconds=0.0), SimpleNamespace(graph_seconds=0.0)
-    ort = OrtDecoding(SimpleNamespace(target=target, drafter=drafter), None, SimpleNamespace(engine=None), None, set())
+    ort = OrtDecoding(OrtBackends(target, drafter), None, None, None, set())
     order, seconds = [], {"autoregressive": [3.0, 2.0, 2.5], "speculative": [1.0, 1.5, 0.8]}
 
     sampling = SimpleNamespace(temperature=0.7)     # handed to every run as it is
