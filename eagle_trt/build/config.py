@@ -170,6 +170,10 @@ class ServingSection:
     model_name: str = "eagle_trt"
     max_tokens: int = 64           # when a request gives none
     max_concurrent: int = 8        # sequences in the running batch per model instance
+    # Prompt tokens prefilled per decoding step, between the running batch's iterations (a long
+    # prompt delays the running streams by one chunk, not its length; docs/serving.md measures it);
+    # 0: each prompt prefilled whole as it joins. The TensorRT plans take whole prompts.
+    prefill_chunk: int = 256
     threads: int = 0               # ONNX Runtime intra-op threads per session, 0: ORT's default
     chat: bool = True              # wrap text prompts in the tokenizer's chat template
     # The drafter graph's weights where ONNX Runtime serves it (the CPU path, no engines): int8
@@ -192,6 +196,9 @@ class ServingSection:
 
     def check(self, at: str, source: str) -> None:
         _positive(self, ("max_tokens", "max_concurrent", "capacity"), at, source)
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise BuildConfigError(f"{source}: {at}.prefill_chunk: expected 0 (whole prompts) or a positive number of "
+                                   f"tokens, got {self.prefill_chunk!r}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.model_name):
             raise BuildConfigError(f"{source}: {at}.model_name: not a valid Triton model name: {self.model_name!r}")
 

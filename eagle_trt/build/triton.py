@@ -29,8 +29,9 @@ ONNX_TYPES = {1: "TYPE_FP32", 10: "TYPE_FP16", 7: "TYPE_INT64", 9: "TYPE_BOOL", 
 REQUEST_INPUTS = [  # name, Triton type, dims
     ("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
     ("temperature", "TYPE_FP32", [1]), ("top_p", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]),
-    ("seed", "TYPE_INT64", [1])]
-RESPONSE_OUTPUTS = [("text_output", "TYPE_STRING", [1]), ("token_ids", "TYPE_INT64", [-1])]
+    ("seed", "TYPE_INT64", [1]), ("stop_token_ids", "TYPE_INT64", [-1])]
+RESPONSE_OUTPUTS = [("text_output", "TYPE_STRING", [1]), ("token_ids", "TYPE_INT64", [-1]), ("accepted", "TYPE_INT32", [1]),
+                    ("finish_reason", "TYPE_STRING", [1])]
 
 
 def _tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
@@ -153,6 +154,7 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 "max_context": resolved["target"]["max_context"], "vocab_size": resolved["target"]["vocab_size"],
                 "eos_ids": sorted(set(resolved["target"]["eos_ids"])), "chat": cfg.serving.chat,
                 "max_tokens": cfg.serving.max_tokens, "max_concurrent": cfg.serving.max_concurrent,
+                "prefill_chunk": cfg.serving.prefill_chunk,
                 "threads": cfg.serving.threads, "graphs": {}, "precision": precision,
                 "target_kv": _kv(graphs["target"], "past_key_0"), "drafter_kv": _kv(graphs["drafter_tree"], "past_key")}
     if not plans and cfg.serving.runtime == "torch":

@@ -5,10 +5,13 @@ Triton's Python backend (it imports triton_python_backend_utils) with eagle_trt 
 the backend's Python environment. Settings come from `eagle.json` beside it.
 
 Requests: text_input (BYTES [1]) or input_ids (INT64 [-1]), and optional max_tokens (INT32),
-temperature, top_p (FP32), top_k (INT32), seed (INT64). Each decoding iteration sends one
-response with the newly final tokens: text_output (BYTES [1], the text they add) and token_ids
-(INT64 [n]); an empty response flagged final closes the stream. Bad requests get one error
-response; the model keeps serving.
+temperature, top_p (FP32), top_k (INT32), seed (INT64), stop_token_ids (INT64 [-1]: ids that end
+the sequence as EOS does, sent as its last token). Each decoding iteration sends one response
+with the newly final tokens: text_output (BYTES [1], the text they add), token_ids (INT64 [n]),
+accepted (INT32 [1]: the tokens the iteration made for this sequence before any cut at
+max_tokens, 0 for the prefill's first token) and finish_reason (BYTES [1]: "" while it runs,
+"stop" or "length" with its last tokens); an empty response flagged final closes the stream.
+Bad requests get one error response; the model keeps serving.
 
 Engines: "onnxruntime" runs the target, drafter-tree and iteration graphs in-process
 (runtime/ort_engines.py); "tensorrt" calls the `<model>_target` / `<model>_drafter`
@@ -18,7 +21,8 @@ shapes, each iteration one CUDA graph on a GPU (runtime/static.py, serving.runti
 
 Continuous batching: `execute` validates each request and queues it; one scheduler thread runs
 the decoding loop (runtime/loop.py), admitting queued requests into the running batch
-(up to `max_concurrent`) between iterations, streaming every sequence's tokens after each
+(up to `max_concurrent`) between iterations, prefilling their prompts `prefill_chunk` tokens a
+step between the running batch's iterations, streaming every sequence's tokens after each
 iteration, and closing a stream the moment its sequence finishes or its client cancels."""
 import json
 import queue
@@ -39,6 +43,7 @@ from eagle_trt.runtime.loop import DecodingLoop, Request, check_request
 from eagle_trt.runtime.two_call import TwoCallEngine
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+FINISH_REASONS = {"eos": b"stop", "max_new_tokens": b"length"}   # the loop's stop reasons, as OpenAI names them
 
 
 class RequestError(ValueError):
@@ -173,7 +178,10 @@ class TritonPythonModel:
             graphs = {g: folder / f for g, f in s["graphs"].items()}
             engine = open_backends(graphs, shape, s["max_context"], threads=s["threads"] or None,
                                    precision=s["precision"]).engine(cost)
-        self.decoder = DecodingLoop(engine, s["eos_ids"], s["vocab_size"])
+        # Prompts are prefilled in the scheduler's steps, prefill_chunk tokens a step, where the engine
+        # prefills with a past (the TensorRT plans' prefill profile has none: whole prompts there)
+        chunk = s.get("prefill_chunk", 0) if s["backend"] != "tensorrt" else 0
+        self.decoder = DecodingLoop(engine, s["eos_ids"], s["vocab_size"], prefill_chunk=chunk or s["max_context"])
         self.incoming = queue.Queue()
         self.waiting_logged = 0
         self.stopping = threading.Event()
@@ -186,14 +194,16 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                prompt, max_tokens, sampling = self._parse(request)
+                parsed = self._parse(request)
             except (RequestError, ConfigError) as exc:
                 self._fail(sender, str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - a request must never take the model down
                 self._fail(sender, f"{type(exc).__name__}: {exc}")
                 continue
-            self.incoming.put((sender, Request(prompt, max_tokens, sampling, submitted=time.perf_counter())))
+            prompt, max_tokens, sampling, stop_ids = parsed
+            self.incoming.put((sender, Request(prompt, max_tokens, sampling, submitted=time.perf_counter(),
+                                               stop_ids=stop_ids)))
 
     def _parse(self, request):
         s = self.settings
@@ -229,43 +239,54 @@ class TritonPythonModel:
             raise RequestError(f"max_tokens must be a positive integer, got {max_tokens}")
         sampling = SamplingConfig(scalar("temperature", float, 0.0), scalar("top_p", float, 1.0),
                                   scalar("top_k", int, 0), scalar("seed", int, None)).validate()
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
+        stop_ids = tuple(int(i) for i in stop.as_numpy().reshape(-1)) if stop is not None else ()
+        bad = [i for i in stop_ids if not 0 <= i < s["vocab_size"]]
+        if bad:
+            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{s['vocab_size'] - 1})")
         # Everything the decoder would refuse is refused here, before the request waits for anything.
         check_request(prompt, max_tokens, s["max_context"], s["vocab_size"])
-        return prompt, max_tokens, sampling
+        return prompt, max_tokens, sampling, stop_ids
 
-    def _streamer(self, sender):
+    def _streamer(self, sender, sequence: list):
+        """The sequence's on_tokens: one response per iteration. sequence: [the Sequence], filled
+        in as add() returns (queued for its prefill, it streams nothing before)."""
         stream = TextStream(self.tokenizer)
 
         def on_tokens(ids):
             if sender.is_cancelled():
                 return False
+            seq = sequence[0]
+            accepted = seq.result.accept_lengths[-1] if seq.result.accept_lengths else 0
             piece = stream.push(ids)
             sender.send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),
-                pb_utils.Tensor("token_ids", np.array(ids, dtype=np.int64))]))
+                pb_utils.Tensor("token_ids", np.array(ids, dtype=np.int64)),
+                pb_utils.Tensor("accepted", np.array([accepted], dtype=np.int32)),
+                pb_utils.Tensor("finish_reason", np.array([FINISH_REASONS.get(seq.stop, b"")], dtype=np.object_))]))
             return True
         return on_tokens
 
     def _admit(self, senders):
         """Move waiting requests into the running batch while it has room."""
         limit = self.settings["max_concurrent"]
-        while len(self.decoder.active) < limit:
+        while self.decoder.running < limit:
             try:
-                sender, request = self.incoming.get(timeout=0.05 if not self.decoder.active else 0)
+                sender, request = self.incoming.get(timeout=0.05 if not self.decoder.running else 0)
             except queue.Empty:
                 return
             if sender.is_cancelled():
                 self._close(sender)
                 continue
-            request.on_tokens = self._streamer(sender)
+            sequence = []
+            request.on_tokens = self._streamer(sender, sequence)
             try:
-                seq = self.decoder.add(request)
+                seq = self.decoder.add(request)   # queued: its prefill (and first token) come in the steps
             except ConfigError as exc:   # e.g. prompt + max_tokens beyond the context
                 self._fail(sender, str(exc))
                 continue
+            sequence.append(seq)
             senders[id(seq)] = sender
-            if seq.stop:
-                self._close(senders.pop(id(seq)), seq)
         waiting = self.incoming.qsize()
         if waiting > self.waiting_logged:   # once per newly waiting request, not every iteration
             pb_utils.Logger.log_info(f"eagle_trt: {waiting} request(s) waiting for a batch slot (all {limit} busy; "
@@ -285,7 +306,7 @@ class TritonPythonModel:
                 for sender in senders.values():
                     self._fail(sender, message)
                 senders.clear()
-                self.decoder.active.clear()
+                self.decoder.clear()
         for sender in senders.values():
             self._fail(sender, "the model is unloading")
         while not self.incoming.empty():

@@ -57,6 +57,11 @@ class _Batched:
         """A new sequence in the next free slot (room for `rows` rows); returns the slot."""
         return self.cache.add(rows)
 
+    def add_prefilled(self, other: "_Batched") -> int:
+        """A new sequence in the next slot holding the rows of `other`'s sequence 0 (a prompt
+        prefilled in chunks on a copy of this backend); returns the slot."""
+        return self.cache.take(other.cache)
+
     def remove_sequence(self, slot: int) -> None:
         """Free `slot`; the last sequence moves into it."""
         self.cache.remove(slot)

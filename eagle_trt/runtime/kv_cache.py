@@ -157,6 +157,15 @@ class KVCache:
         self.reserve(range(self.batch - 1, self.batch), rows)
         return self.batch - 1
 
+    def take(self, other: KVCache, slot: int = 0) -> int:
+        """A new sequence in the next slot holding the committed rows of `other`'s sequence `slot`
+        (same layout); returns its slot."""
+        n = other.lengths[slot]
+        new = self.add(n)
+        self.kv[:, :, new, :, :n] = other.kv[:, :, slot, :, :n].to(self.kv.device)
+        self.lengths[new] = n
+        return new
+
     def remove(self, slot: int) -> None:
         """Drop sequence `slot`; the last sequence moves into its slot (its new index is `slot`)."""
         last = self.batch - 1

@@ -2,10 +2,16 @@
 computes is an engine's.
 
 The loop owns what every engine shares: admission (a request is checked, then prefilled into the
-next slot), each sequence's bookkeeping, stop checks (EOS, max_new_tokens, a client that
-stopped), streaming (`on_tokens`) and sampled acceptance (verify.accept_sampled on the host, each
-sequence with its own seeded generator). Sequences join between iterations and leave the moment
-they finish, the last slot moving into the freed one: `active[i]` is slot i.
+next slot), each sequence's bookkeeping, stop checks (EOS, a request's stop ids, max_new_tokens,
+a client that stopped), streaming (`on_tokens`) and sampled acceptance (verify.accept_sampled on
+the host, each sequence with its own seeded generator). Sequences join between iterations and
+leave the moment they finish, the last slot moving into the freed one: `active[i]` is slot i.
+
+Chunked prefill (`prefill_chunk`): admitted prompts wait in `prefilling` (first come, first
+served), and each `step` prefills at most `prefill_chunk` of their tokens before the running
+batch's iteration, so a long prompt delays the running streams by one chunk at a time, not by
+its whole length. The engine holds a prompt's prefilled rows apart from the running batch until
+its last chunk puts it in the next slot; how a prompt is cut does not change its tokens.
 
 An `Engine` owns the caches and the graph calls: `prefill` a prompt into the next slot,
 `iterate` the running batch (draft and verify; it returns `Verified`, and where every sequence is
@@ -78,21 +84,23 @@ class Request:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     on_tokens: Callable[[list[int]], bool | None] | None = None   # streams final tokens; False stops early
     submitted: float | None = None   # perf_counter() when the request arrived: result times count from it
+    stop_ids: tuple[int, ...] = ()   # ids that end the sequence as EOS does (kept as its last token)
 
 
 class Sequence:
     """One request's decoding state inside the batch (the engine holds its caches)."""
 
-    def __init__(self, request: Request, gen: torch.Generator | None, start: float):
+    def __init__(self, request: Request, gen: torch.Generator | None, start: float, eos_ids: set[int]):
         self.request, self.gen, self.start = request, gen, start
+        self.eos_ids = eos_ids | set(request.stop_ids) if request.stop_ids else eos_ids
         self.result = GenerationResult(tokens=[], prompt_tokens=len(request.prompt_ids))
         self.emitted = 0
         self.stop: str | None = None
 
-    def extend(self, new: list[int], eos_ids: set[int]) -> None:
+    def extend(self, new: list[int]) -> None:
         r = self.result
         now = time.perf_counter() - self.start
-        kept, self.stop = _finish(len(r.tokens), new, self.request.max_new_tokens, eos_ids)
+        kept, self.stop = _finish(len(r.tokens), new, self.request.max_new_tokens, self.eos_ids)
         r.tokens += kept
         on_tokens = self.request.on_tokens
         if len(r.tokens) > self.emitted:
@@ -134,9 +142,13 @@ class Engine:
     def reset(self) -> None:
         raise NotImplementedError
 
-    def prefill(self, prompt_ids: list[int], max_new_tokens: int, pick: Callable[[Tensor], int] | None) -> int:
-        """A new sequence in the next slot, its prompt prefilled; returns its first token: the
-        greedy one (pick None), else pick(the last row's logits [V])."""
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int, pick: Callable[[Tensor], int] | None,
+                start: int = 0, end: int | None = None) -> int | None:
+        """Prefill rows start..end of a new sequence's prompt (end None: to its end). The rows
+        before `start` are this engine's previous calls for the same prompt, held apart from the
+        running batch (iterations run between the calls); the call that reaches the prompt's end
+        puts the sequence in the next slot and returns its first token: the greedy one (pick
+        None), else pick(the last row's logits [V]). Earlier calls return None."""
         raise NotImplementedError
 
     def iterate(self, batch: list[Sequence], greedy: bool) -> Verified:
@@ -153,42 +165,91 @@ class Engine:
 class DecodingLoop:
     """Requests join (`add`), every running sequence advances one iteration per `step`, and the
     offline entry points below drive the two; `engine` computes the iterations. verified: the
-    draft nodes verified per sequence, per iteration (what a cost model chose)."""
+    draft nodes verified per sequence, per iteration (what a cost model chose). prefill_chunk:
+    prompt tokens prefilled per step (module docstring); None: a prompt is prefilled whole by `add`."""
 
-    def __init__(self, engine: Engine, eos_ids: set[int] | list[int], vocab_size: int | None = None):
+    def __init__(self, engine: Engine, eos_ids: set[int] | list[int], vocab_size: int | None = None,
+                 prefill_chunk: int | None = None):
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ConfigError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
         self.engine = engine
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
+        self.prefill_chunk = prefill_chunk
         self.active: list[Sequence] = []
+        self.prefilling: list[Sequence] = []   # admitted, prompt not fully prefilled (chunked prefill)
+        self.prefilled = 0                     # prompt rows of prefilling[0] the engine holds
         self.verified: list[int] = []
 
+    @property
+    def running(self) -> int:
+        """Sequences admitted and not finished: decoding, or waiting for their prefill."""
+        return len(self.active) + len(self.prefilling)
+
     def add(self, request: Request) -> Sequence:
-        """Validate and prefill a request; it decodes from the next step on. Raises ConfigError
-        for a request the engine would refuse, before touching the caches."""
+        """Validate a request and prefill it (prefill_chunk None), else queue it for the steps to
+        prefill; it decodes from the step after its prefill ends. Raises ConfigError for a request
+        the engine would refuse, before touching the caches."""
         sampling = (request.sampling or SamplingConfig()).validate()
         request.sampling = sampling
         check_request(request.prompt_ids, request.max_new_tokens, self.engine.max_context, self.vocab_size)
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.stop_ids):
+            raise ConfigError(f"stop id {next(t for t in request.stop_ids if not 0 <= t < self.vocab_size)} is "
+                              f"outside the vocabulary (0..{self.vocab_size - 1})")
         limit = self.engine.max_batch
-        if limit is not None and len(self.active) >= limit:
+        if limit is not None and self.running >= limit:
             raise ConfigError(f"the batch is full: {limit} sequences (max_batch)")
-        if not self.active:   # nothing running: start from fresh caches
-            self.engine.reset()
         seq = Sequence(request, torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
-                       request.submitted or time.perf_counter())
-        pick = None if sampling.greedy else (lambda logits: sample_token(logits, sampling, seq.gen))
-        first = self.engine.prefill(request.prompt_ids, request.max_new_tokens, pick)
-        seq.result.target_calls = 1
-        self.active.append(seq)
-        seq.extend([first], self.eos_ids)
-        if seq.stop:
-            self._leave(len(self.active) - 1)
+                       request.submitted or time.perf_counter(), self.eos_ids)
+        if self.prefill_chunk is None:
+            self._prefill(seq, 0, len(request.prompt_ids))
+        else:
+            self.prefilling.append(seq)
         return seq
 
+    def _prefill(self, seq: Sequence, start: int, end: int) -> bool:
+        """Prefill rows start..end of seq's prompt; at its end the sequence joins the batch with
+        its first token. Returns whether it joined."""
+        request, sampling = seq.request, seq.request.sampling
+        whole = end == len(request.prompt_ids)
+        if whole and not self.active:   # nothing running: start from fresh caches (a chunked prompt's
+            self.engine.reset()          # earlier rows are held apart from them)
+        pick = None if sampling.greedy else (lambda logits: sample_token(logits, sampling, seq.gen))
+        first = self.engine.prefill(request.prompt_ids, request.max_new_tokens, pick, start, end)
+        if not whole:
+            return False
+        seq.result.target_calls = 1
+        self.active.append(seq)
+        seq.extend([first])
+        if seq.stop:
+            self._leave(len(self.active) - 1)
+        return True
+
+    def _prefill_chunk(self) -> list[Sequence]:
+        """Up to prefill_chunk prompt tokens of the waiting sequences, first come first served;
+        returns those that finished at their first token."""
+        budget, finished = self.prefill_chunk, []
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            start = self.prefilled
+            end = min(len(seq.request.prompt_ids), start + budget)
+            budget -= end - start
+            if not self._prefill(seq, start, end):
+                self.prefilled = end
+                break
+            self.prefilled = 0
+            self.prefilling.pop(0)
+            if seq.stop:
+                finished.append(seq)
+        return finished
+
     def step(self) -> list[Sequence]:
-        """One iteration for every running sequence; returns those that finished in it."""
+        """A chunk of the waiting prompts' prefill (chunked prefill), then one iteration for every
+        running sequence; returns those that finished in it."""
+        joined = self._prefill_chunk() if self.prefilling else []
         batch = list(self.active)
         if not batch:
-            return []
+            return joined
         v = self.engine.iterate(batch, all(s.request.sampling.greedy for s in batch))
         K, paths, news = v.width, [], []
         for i, (row, s) in enumerate(zip(v.greedy, batch)):
@@ -211,12 +272,12 @@ class DecodingLoop:
             r.target_calls += 1
             r.drafter_calls += v.drafted
             r.accept_lengths.append(len(new))
-            s.extend(new, self.eos_ids)
+            s.extend(new)
             if s.stop:
                 finished.append(s)
         for s in finished:   # free slots at once; the last sequence moves into the freed slot
             self._leave(self.active.index(s))
-        return finished
+        return joined + finished
 
     def _leave(self, slot: int) -> None:
         self.engine.leave(slot)
@@ -226,9 +287,22 @@ class DecodingLoop:
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Drop a sequence between steps (its client went away)."""
         if seq in self.active:
-            seq.stop = seq.result.stop_reason = reason
-            seq.result.seconds = time.perf_counter() - seq.start
             self._leave(self.active.index(seq))
+        elif seq in self.prefilling:   # its held rows are dropped with the next prompt's first chunk
+            if seq is self.prefilling[0]:
+                self.prefilled = 0
+            self.prefilling.remove(seq)
+        else:
+            return
+        seq.stop = seq.result.stop_reason = reason
+        seq.result.seconds = time.perf_counter() - seq.start
+
+    def clear(self) -> None:
+        """Forget every sequence, running or waiting for its prefill (a failed batch); the next
+        `add` starts from fresh caches."""
+        self.active.clear()
+        self.prefilling.clear()
+        self.prefilled = 0
 
     def generate_batch(self, requests: list[Request], max_batch: int = 8) -> list[GenerationResult]:
         """Decode every request, at most max_batch at a time: a request joins as soon as a running
@@ -238,8 +312,8 @@ class DecodingLoop:
         now = time.perf_counter()
         for r in waiting:
             r.submitted = r.submitted or now
-        while waiting or self.active:
-            while waiting and len(self.active) < max_batch:
+        while waiting or self.running:
+            while waiting and self.running < max_batch:
                 seqs.append(self.add(waiting.pop(0)))
             self.step()
         return [s.result for s in seqs]

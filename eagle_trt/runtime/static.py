@@ -182,6 +182,7 @@ class StaticEngine(Engine):
         self.verified: dict[int, dict] = {}   # batch size -> the verification outputs the commit reads
         self.step_seconds = 0.0               # wall time inside iterations: with Replayer.gpu_seconds, the GPU's idle share
         self.tkv = self.dkv = None
+        self._apart: tuple[Tensor, list] | None = None   # chunked prefill: the prompt's rows so far
         self._lay_out(capacity or CHUNK)
 
     @staticmethod
@@ -286,22 +287,41 @@ class StaticEngine(Engine):
             self._lay_out(fits)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids, max_new_tokens, pick):
-        """Prefill a request (outside the graphs) into the next slot."""
+    def prefill(self, prompt_ids, max_new_tokens, pick, start=0, end=None):
+        """Prefill a request (outside the graphs) into the next slot; in chunks, its rows held
+        apart from the caches (`_apart`: K / V [2, L, Hkv, n, D], captured blocks) until the last."""
         n, dev = len(prompt_ids), self.device
+        end = n if end is None else end
+        L = self.model.cfg.num_hidden_layers
+
+        def run(start, end, kv):
+            past = [kv[:, i, None, :, :start] for i in range(L)]
+            out = self.model(torch.tensor([prompt_ids[start:end]], device=dev), torch.arange(start, end, device=dev)[None],
+                             causal_mask(end - start, start, dev), [k for k, _ in past], [v for _, v in past],
+                             torch.tensor([end - start - 1], device=dev))
+            return torch.stack([torch.stack(out.new_k), torch.stack(out.new_v)])[:, :, 0], out.captured[0], \
+                out.logits[0, -1]
+        if start == 0 and end == n:
+            empty = self.tkv.kv[:, :, 0, :, :0]
+            new_kv, captured, logits = self.prefills.get(prompt_ids, lambda: run(0, n, empty)) \
+                if self.prefills is not None else run(0, n, empty)
+        else:
+            if start == 0:
+                cfg = self.model.cfg
+                self._apart = (torch.zeros(2, L, cfg.num_key_value_heads, n, cfg.head_dim, dtype=self.tkv.dtype,
+                                           device=dev), [])
+            kv, held = self._apart
+            rows, captured, logits = run(start, end, kv)
+            kv[:, :, :, start:end] = rows
+            held.append(captured)
+            if end < n:
+                return None
+            new_kv, captured = kv, torch.cat(held)
+            self._apart = None
         self._fit(n + max_new_tokens + self.staged)
         slot = self.tkv.add()
         if self.drafter is not None:
             self.dkv.add()          # the same slot: the two caches take and free slots together
-        L = self.model.cfg.num_hidden_layers
-
-        def run():
-            empty = [self.tkv.k[i, slot:slot + 1, :, :0] for i in range(L)]
-            out = self.model(torch.tensor([prompt_ids], device=dev), torch.arange(n, device=dev)[None],
-                             causal_mask(n, 0, dev), empty, empty, torch.tensor([n - 1], device=dev))
-            return torch.stack([torch.stack(out.new_k), torch.stack(out.new_v)])[:, :, 0], out.captured[0], \
-                out.logits[0, -1]
-        new_kv, captured, logits = self.prefills.get(prompt_ids, run) if self.prefills is not None else run()
         self.tkv.kv[:, :, slot, :, :n] = new_kv
         self.tkv.lengths[slot] = n
         first = int(logits.argmax()) if pick is None else pick(logits)

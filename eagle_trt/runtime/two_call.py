@@ -16,6 +16,7 @@ iteration that drafts, and hands the accepted rows' states from one call to the 
 graph gathered them."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import NamedTuple
 
@@ -90,6 +91,8 @@ class TwoCallEngine(Engine):
         self.pending_ids: list[list[int]] = []
         self.handoff: KeptRows | None = None   # the last commit's states, where a graph gathered them as one block
         self._last: _Iteration | None = None   # what iterate() verified, for commit
+        self._apart: TargetBackend | None = None   # chunked prefill: a copy of the target, its own cache
+        self._held: list = []                  # chunked prefill: the prompt's captured states so far
 
     @property
     def backends(self) -> tuple:
@@ -112,23 +115,42 @@ class TwoCallEngine(Engine):
             self.drafter.reset()
         self.pending_states, self.pending_ids, self.handoff = [], [], None
 
-    def prefill(self, prompt_ids, max_new_tokens, pick):
+    def prefill(self, prompt_ids, max_new_tokens, pick, start=0, end=None):
         # No rows reserved ahead: the cache grows in chunks as sequences do, since a batched call
         # binds every row of the cache and reserving max_new_tokens up front widens every
         # sequence's attention to the longest request's end for the whole run.
         n = len(prompt_ids)
-        slot = self.target.add_sequence()
-        out = self._timed(lambda: self.target.forward(torch.tensor([prompt_ids]), torch.arange(n)[None],
-                                                      causal_mask(n, 0), range(slot, slot + 1), last_only=True),
-                          "time_prefill", n)
-        self.target.commit([list(range(n))])
+        end = n if end is None else end
+        if start == 0:
+            self._held = []     # the prompt's captured states, block by block (the drafter's, at its join)
+        if start == 0 and end == n:      # whole: straight into the next slot
+            target = self.target
+            slot = target.add_sequence()
+        else:   # a chunk: on a copy of the target with a cache of its own, apart from the running batch
+            if self._apart is None:
+                self._apart = copy.copy(self.target)
+            target, slot = self._apart, 0
+            if start == 0:
+                target.reset()
+                target.add_sequence()
+        rows = [list(range(end - start))]
+        out = self._timed(lambda: target.forward(torch.tensor([prompt_ids[start:end]]), torch.arange(start, end)[None],
+                                                 causal_mask(end - start, 0), range(slot, slot + 1), last_only=True),
+                          "time_prefill", end - start)
+        target.commit(rows)
+        if self.drafter is not None:   # a copy: a backend's outputs are valid until its next call of the same shape
+            self._held += target.keep_states(out, rows)
+        if end < n:
+            return None
+        if target is not self.target:    # the last chunk: the held rows join the batch in the next slot
+            self.target.add_prefilled(target)
         first = self.target.greedy_next(out)[0] if pick is None else pick(out.logits[0, -1])
         if self.drafter is not None:
-            # The drafter pairs the target state of token t with the id of token t + 1; a copy:
-            # a backend's outputs are valid until its next call of the same shape
+            # The drafter pairs the target state of token t with the id of token t + 1
             self.drafter.add_sequence()
-            self.pending_states.append(self.target.keep_states(out, [list(range(n))]))
+            self.pending_states.append(self._held)
             self.pending_ids.append(list(prompt_ids[1:]) + [first])
+        self._held = []
         self.handoff = None
         return first
 
