@@ -23,7 +23,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .openai_requests import ApiError, parse_request
-from .serve_metrics import Metrics
 from .triton_stream import Generation, TritonBackend
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -14,6 +14,7 @@ from .api import encode_prompt
 from .config import ConfigError
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
+INT32_MAX = 2 ** 31 - 1     # max_tokens and top_k go to Triton as INT32
 
 
 class ApiError(Exception):
@@ -102,7 +103,8 @@ def _number(body, name, default, lo=None, hi=None, lo_open=False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _wrong_type(name, "a number", v)
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ApiError(f"Invalid '{name}': expected a value {'>' if lo_open else '>='} {lo}, but got {v} instead.", name)
+        bound = f"{'>' if lo_open else '>='} {lo}"
+        raise ApiError(f"Invalid '{name}': expected a value {bound}, but got {v} instead.", name)
     if hi is not None and v > hi:
         raise ApiError(f"Invalid '{name}': expected a value <= {hi}, but got {v} instead.", name)
     return float(v)
@@ -254,7 +256,7 @@ def parse_request(body, kind: str, limits: Limits) -> Params:
         raise _wrong_type("user", "a string", body["user"])
     temperature = _number(body, "temperature", 1.0, lo=0, hi=2)
     top_p = _number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
-    top_k = _integer(body, "top_k", 0, lo=-1)   # vLLM's -1: off, as 0
+    top_k = _integer(body, "top_k", 0, lo=-1, hi=INT32_MAX)   # vLLM's -1: off, as 0
     seed = _integer(body, "seed", None, *INT64)
     stop, stop_ids = _stops(body, limits.vocab_size)
     limit_name = "max_tokens"
@@ -262,7 +264,7 @@ def parse_request(body, kind: str, limits: Limits) -> Params:
         if body.get("max_tokens") is not None:
             raise ApiError("give max_completion_tokens or max_tokens, not both", "max_tokens")
         limit_name = "max_completion_tokens"
-    max_tokens = _integer(body, limit_name, None, lo=1)
+    max_tokens = _integer(body, limit_name, None, lo=1, hi=INT32_MAX)
     if kind == "chat":
         if "messages" not in body:
             raise ApiError("you must provide a messages parameter", "messages")

@@ -119,8 +119,8 @@ def _shared_fixtures_unchanged(request):
 # change what any test checks.
 FIRST_HALF_HEAVY = ("test_lossless_greedy.py", "test_onnx_smollm2.py", "test_static.py", "test_bench_rows.py",
                     "test_cli.py")
-SECOND_HALF_HEAVY = ("test_triton_serving.py", "test_quant_smollm2.py", "test_evaluate.py", "test_build_stages.py",
-                     "test_sampling.py", "test_families.py")
+SECOND_HALF_HEAVY = ("test_triton_serving.py", "test_openai_serving.py", "test_quant_smollm2.py", "test_evaluate.py",
+                     "test_build_stages.py", "test_sampling.py", "test_families.py")
 # Many small tests on session fixtures only: last among the quick ones, where the halves meet.
 QUICK_LAST = ("test_tree.py", "test_build_config.py", "test_verify.py")
 
@@ -174,6 +174,50 @@ def require_serving() -> None:
         pytest.skip(f"{problem} ({SKIP_SERVING}=1)", allow_module_level=True)
     pytest.fail(f"{problem}: the serving tests need it (make setup installs it; {SKIP_SERVING}=1 skips them "
                 f"on purpose)", pytrace=False)
+
+
+# The repository the serving tests (test_triton_serving.py, test_openai_serving.py) serve: built
+# once per test process, served by a tritonserver each module starts.
+SERVING_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """The default config with a small tree, one ORT thread, no parity (tested elsewhere):
+    (config, manifest); the repository is manifest.artifact("triton")."""
+    from eagle_trt.build import build, config_from_dict
+    data = {"name": "serving", "tree": {"depth": 3, "top_k": 2, "total_tokens": 4},
+            "engines": {"profiles": {"verify": {"opt_tokens": 5, "max_tokens": 5}}},
+            "parity": {"enabled": False},
+            "serving": {"threads": 1, "max_tokens": SERVING_NEW_TOKENS, "max_concurrent": 8}}
+    cfg = config_from_dict(data, "serving test")
+    return cfg, build(cfg, tmp_path_factory.mktemp("serving") / "out", log=None)
+
+
+@pytest.fixture(scope="session")
+def offline(built, mtbench):
+    """Greedy tokens of the offline runtime on the very graphs the repository serves: the first
+    16 MT-bench prompts with the chat template, SERVING_NEW_TOKENS each; `decoder` decodes more."""
+    from transformers import AutoTokenizer
+
+    from eagle_trt.api import encode_prompt
+    from eagle_trt.build.triton import served_graphs
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    cfg, m = built
+    resolved = json.loads(m.artifact("validate/resolved.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
+    graphs = served_graphs(m.artifact("triton"), "eagle_trt")
+    assert graphs["drafter_tree"].name == "drafter_tree.int8.onnx"     # serving.drafter_weights: auto on fp32
+    assert graphs["iteration"].name == "iteration.onnx"     # serving.iteration_graph: auto; the server's whole
+    # trees go through it, this two-call decoder's do not: the streams must still be equal
+    two_graphs = {g: graphs[g] for g in ("target", "drafter_tree")}
+    engine = open_backends(two_graphs, cfg.tree.shape, resolved["target"]["max_context"], threads=1).engine()
+    decoder = DecodingLoop(engine, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
+    prompts = mtbench[:16]
+    ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
+    return {"prompts": prompts, "ids": ids, "tokens": [decoder.generate(i, SERVING_NEW_TOKENS).tokens for i in ids],
+            "tokenizer": tokenizer, "decoder": decoder}
 
 
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SERVING_NEW_TOKENS as NEW_TOKENS
 from conftest import require_serving
 
 require_serving()   # tritonclient and the bundled tritonserver: missing, the module fails naming it
@@ -21,45 +22,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from eagle_trt.build.local_triton import LocalTriton  # noqa: E402
 
 pytestmark = pytest.mark.slow
-MODEL, NEW_TOKENS = "eagle_trt", 16
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The default config with a small tree, one ORT thread, no parity (tested elsewhere)."""
-    from eagle_trt.build import build, config_from_dict
-    data = {"name": "serving", "tree": {"depth": 3, "top_k": 2, "total_tokens": 4},
-            "engines": {"profiles": {"verify": {"opt_tokens": 5, "max_tokens": 5}}},
-            "parity": {"enabled": False}, "serving": {"threads": 1, "max_tokens": NEW_TOKENS, "max_concurrent": 8}}
-    cfg = config_from_dict(data, "serving test")
-    return cfg, build(cfg, tmp_path_factory.mktemp("serving") / "out", log=None)
-
-
-@pytest.fixture(scope="module")
-def offline(built, mtbench):
-    """Greedy tokens of the offline runtime on the very graphs the repository serves."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    from eagle_trt.api import encode_prompt
-    from eagle_trt.build.triton import served_graphs
-    from eagle_trt.runtime.loop import DecodingLoop
-    from eagle_trt.runtime.ort_engines import open_backends
-    cfg, m = built
-    resolved = json.loads(m.artifact("validate/resolved.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
-    graphs = served_graphs(m.artifact("triton"), MODEL)
-    assert graphs["drafter_tree"].name == "drafter_tree.int8.onnx"     # serving.drafter_weights: auto on fp32
-    assert graphs["iteration"].name == "iteration.onnx"     # serving.iteration_graph: auto; the server's whole
-    # trees go through it, this two-call decoder's do not: the streams must still be equal
-    two_graphs = {g: graphs[g] for g in ("target", "drafter_tree")}
-    engine = open_backends(two_graphs, cfg.tree.shape, resolved["target"]["max_context"], threads=1).engine()
-    decoder = DecodingLoop(engine, resolved["target"]["eos_ids"], resolved["target"]["vocab_size"])
-    prompts = mtbench[:16]
-    ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
-    return {"prompts": prompts, "ids": ids, "tokens": [decoder.generate(i, NEW_TOKENS).tokens for i in ids],
-            "tokenizer": tokenizer}
+MODEL = "eagle_trt"
 
 
 @pytest.fixture(scope="module")
