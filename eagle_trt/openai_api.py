@@ -172,7 +172,9 @@ def create_app(backend: TritonBackend) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.backend = backend
+    return app
 
 
 async def _drain(pieces) -> None:
@@ -210,7 +212,7 @@ class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         import uvicorn
         from .build.local_triton import free_port
-        self.host, self.port = host, port or free_port()
+        self.app, self.host, self.port = app, host, port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level,
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, name="eagle_trt-http", daemon=True)
