@@ -189,9 +189,16 @@ class Generation:
         if finish:
             self.finish_reason = finish
             return text
-        if text.endswith("\ufffd"):
-            text = text[:len(self.text)]
-        return text[:len(text) - _stop_hold(text, self.params.stop)]
+        if text.endswith("\ufffd"):   # an unfinished UTF-8 character: the token completing it comes next
+            return self.text
+        return text[:max(len(self.text), len(text) - _stop_hold(text, self.params.stop))]
+
+    def push(self, ids: list[int], finish: str = "") -> str:
+        """One response's token ids and finish reason ("" while it runs): the text they add."""
+        self.tokens += ids
+        text = self._text(finish)
+        piece, self.text = text[len(self.text):], text
+        return piece
 
     async def pieces(self) -> AsyncIterator[str]:
         m = self.backend.metrics
@@ -205,19 +212,14 @@ class Generation:
                         m.first_token(now - start)
                     m.tokens(len(ids), accepted, now - last if self.tokens and ids else None)
                     last = now
-                    self.tokens += ids
-                    text = self._text(finish)
-                    piece, self.text = text[len(self.text):], text
-                    yield piece
+                    yield self.push(ids, finish)
                     if self.finish_reason:
                         return
             # No finish reason on the stream (a repository built before that output): EOS or a stop id
             # ended it with "stop", else max_tokens did.
             last_id = self.tokens[-1] if self.tokens else None
-            text = self._text("stop" if last_id in self.backend.eos_ids or last_id in self.params.stop_token_ids
-                              else "length")
-            piece, self.text = text[len(self.text):], text
-            yield piece
+            yield self.push([], "stop" if last_id in self.backend.eos_ids or last_id in self.params.stop_token_ids
+                            else "length")
         finally:
             # a consumer that leaves early (client gone, task cancelled) ends here without a reason
             m.finished(self.finish_reason or ("cancelled" if self.error is None else "error"), bool(self.tokens))

@@ -175,6 +175,32 @@ def test_stop_token_ids_end_the_completion(client, offline, completion):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_streamed_text_holds_back_unfinished_characters_and_stop_string_starts(repository):
+    """Token ids pushed one response at a time (Generation.push, what each Triton response goes
+    through): a character split over byte tokens waits for its last byte, the start of a stop
+    string waits until it is known not to be one, a stop string spanning responses cuts the text
+    before it, and the pieces add up to the ids decoded."""
+    from eagle_trt.openai_requests import Params
+    backend = TritonBackend(repository, "127.0.0.1:1", MODEL)
+    tok = backend.tokenizer
+    text = "Smile \U0001F99C wide: the world, the sky"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    emoji = [i for i in ids if "\ufffd" in tok.decode([i])]
+    assert len(emoji) >= 2, "the emoji must span byte tokens for this check"
+    gen = backend.generate(Params(ids, 64))
+    pieces = [gen.push([i]) for i in ids[:-1]] + [gen.push(ids[-1:], "length")]
+    assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == text
+    assert (gen.finish_reason, gen.completion_tokens) == ("length", len(ids))
+
+    gen = backend.generate(Params(ids, 64, stop=["world, the s", "wide:x"]))
+    pieces = [gen.push([i]) for i in ids]
+    assert "".join(pieces) == "Smile \U0001F99C wide: the " and gen.finish_reason == "stop"
+    assert gen.completion_tokens == len(ids)     # ' sky' completes the stop string
+    wide = ids.index(tok(" wide", add_special_tokens=False)["input_ids"][0])
+    assert "".join(pieces[:wide + 2]) == "Smile \U0001F99C ", "'wide:' could start 'wide:x': held back"
+    assert pieces[wide + 2] == "wide: the", "then let go"
+
+
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 CHAT_REFUSALS = [   # (create() arguments, param, what the message says)
     ({"n": 2}, "n", "only n=1"),
@@ -289,8 +315,9 @@ def test_models_health_and_metrics(client, front, offline):
 
 
 def test_client_disconnecting_mid_stream_cancels_the_request_in_triton(client, front, triton, offline):
-    """An HTTP client that goes away after two chunks: the front end cancels its gRPC stream,
-    the model logs the cancellation and frees the slot, and the next request is served."""
+    """An HTTP client that goes away after two chunks, and one that stops waiting for a plain
+    reply: the front end cancels its gRPC stream, the model logs the cancellation and frees the
+    slot, and the next request is served."""
     cancelled = triton.log.count(CANCELLED)
     before = metrics(front)
     body = {"model": MODEL, "messages": chat(offline["prompts"][3]), "temperature": 0, "max_tokens": 400,
@@ -313,10 +340,17 @@ def test_client_disconnecting_mid_stream_cancels_the_request_in_triton(client, f
         before['eagle_trt_requests_total{finish_reason="cancelled"}'] + 1
     assert after["eagle_trt_requests_running"] == 0
     assert after["eagle_trt_generation_tokens_total"] - before["eagle_trt_generation_tokens_total"] < 400
+    # Not streamed: a client that gives up waiting for the whole reply is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{front.url}/v1/chat/completions", json=dict(body, stream=False), timeout=1.5)
+    deadline = time.monotonic() + 30
+    while triton.log.count(CANCELLED) == cancelled + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert triton.log.count(CANCELLED) == cancelled + 2, "the abandoned plain request kept decoding in Triton"
     r = client.chat.completions.create(model=MODEL, messages=chat(offline["prompts"][0]), temperature=0,
                                        max_tokens=NEW_TOKENS)
     assert r.choices[0].message.content == decode(offline, offline["tokens"][0])
-    assert triton.alive()
+    assert triton.alive() and metrics(front)["eagle_trt_requests_running"] == 0
 
 
 def test_triton_stopped_under_the_front_end_answers_503_at_once(repository):
