@@ -145,9 +145,10 @@ def pytest_collection_modifyitems(session, config, items):
         items.reverse()
 
 
-# Serving tests need tritonclient and the tritonserver bundled in nvidia-pytriton, both in the
-# requirements: where one is missing they fail, naming it, so a broken install cannot pass as a
-# green run of skips. A machine set up without them on purpose says so with this variable.
+# Serving tests need tritonclient and the tritonserver bundled in nvidia-pytriton (and the OpenAI
+# front end's starlette, uvicorn, openai, httpx), all in the requirements: where one is missing
+# they fail, naming it, so a broken install cannot pass as a green run of skips. A machine set
+# up without them on purpose says so with this variable.
 SKIP_SERVING = "EAGLE_TRT_SKIP_SERVING"
 
 
@@ -157,6 +158,11 @@ def serving_missing() -> str | None:
         import tritonclient.grpc  # noqa: F401
     except ImportError as exc:
         return f"tritonclient is missing (import tritonclient.grpc: {exc})"
+    for name in ("starlette", "uvicorn", "openai", "httpx"):    # the OpenAI front end and its tests
+        try:
+            __import__(name)
+        except ImportError as exc:
+            return f"{name} is missing (import {name}: {exc})"
     from eagle_trt.build.local_triton import TritonUnavailable, bundled_tritonserver
     try:
         bundled_tritonserver()

@@ -19,7 +19,7 @@ import pytest
 from conftest import SERVING_NEW_TOKENS as NEW_TOKENS
 from conftest import require_serving
 
-require_serving()   # tritonclient and the bundled tritonserver: missing, the module fails naming it
+require_serving()   # tritonclient, the bundled tritonserver, the front end's packages: missing, it fails naming it
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
