@@ -6,8 +6,9 @@ measured in one run on this machine.
 
 Phase 1: the same requests one at a time on one stream (the single-stream baseline).
 Phase 2: all of them at once, one gRPC stream each (the model batches up to
-serving.max_concurrent; the rest wait for a slot). Prompts: MT-bench, chat template on, each
-with --max-tokens (greedy). Also checks that every phase-2 stream equals its phase-1 tokens, and
+serving.max_concurrent; the rest wait for a slot). Prompts (--workload): MT-bench first turns, or
+`mixed`, chat turns of 30 to 1,000 tokens (eagle_trt.workloads); chat template on, each with
+--max-tokens (greedy). Also checks that every phase-2 stream equals its phase-1 tokens, and
 times the refusal of a malformed request (max_tokens 0) sent one second into phase 2, while
 requests wait for a slot: validation must not wait for one."""
 from __future__ import annotations
@@ -65,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="eagle_trt")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=("mtbench", "mixed"), default="mtbench")
     args = p.parse_args(argv)
-    prompts = mtbench_prompts()[:args.streams]
+    if args.workload == "mixed":
+        from transformers import AutoTokenizer
+
+        from eagle_trt.workloads import mixed_texts
+        folder = f"{args.repository}/{args.model}/1/tokenizer"
+        prompts = mixed_texts(AutoTokenizer.from_pretrained(folder, local_files_only=True), args.streams)
+    else:
+        prompts = mtbench_prompts()[:args.streams]
     try:
         server = LocalTriton(args.repository)
         server.__enter__()
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a[0] == b[0] for a, b in zip(solo, together))
     ttft_solo = [f for _, f, _ in solo]
     ttft_load = [f for _, f, _ in together]
-    print(f"{len(prompts)} MT-bench requests x {args.max_tokens} tokens, greedy, {args.repository}")
+    print(f"{len(prompts)} {args.workload} requests x {args.max_tokens} tokens, greedy, {args.repository}")
     print(f"one stream:        {solo_rate:7.1f} tok/s   TTFT p50 {1e3 * statistics.median(ttft_solo):6.0f} ms")
     print(f"{len(prompts):2d} streams at once: {load_rate:7.1f} tok/s   TTFT p50 {1e3 * pct(ttft_load, 50):6.0f} ms, "
           f"p99 {1e3 * pct(ttft_load, 99):6.0f} ms   ({load_rate / solo_rate:.2f}x one stream)")
