@@ -3,7 +3,7 @@
     python -m eagle_trt.serve --repository artifacts/<name>/triton [--host 127.0.0.1 --port 8000]
 
 Starts tritonserver on the repository (build/local_triton.py, the binary nvidia-pytriton bundles)
-and the front end of eagle_trt/openai_api.py before it; with --triton-url it uses a Triton that
+and the front end of eagle_trt/server/app.py before it; with --triton-url it uses a Triton that
 is already running (a real tritonserver on a GPU host) instead. Ctrl-C or SIGTERM stops both."""
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .build.local_triton import LocalTriton, TritonUnavailable
-    from .openai_api import create_app
-    from .triton_stream import TritonBackend
+    from .server.app import create_app
+    from .server.triton_stream import TritonBackend
     try:   # the tokenizer and eagle.json first: a wrong --model fails before a server starts
         backend = TritonBackend(args.repository, args.triton_url or "", args.model, args.served_model_name,
                                 args.response_timeout)

@@ -5,40 +5,26 @@ client and prints throughput, time to first token and inter-token latency.
 
     python scripts/openai_load.py --repository artifacts/smollm2-eagle3.1/triton --streams 16
 
+The server runs as `python -m eagle_trt.serve` in a process of its own.
 Phase 1: each request alone, one after another (the single-stream baseline).
 Phase 2: all of them at once (the model batches up to serving.max_concurrent; the rest wait).
-Prompts: MT-bench questions concatenated and cut to chat-templated lengths spread evenly over
-30..1,000 tokens (deterministic), greedy, --max-tokens each. Checks that every phase-2 stream
+Prompts (--workload): `mixed`, chat turns of 30 to 1,000 tokens (eagle_trt.workloads.mixed_texts),
+or the MT-bench first turns; greedy, --max-tokens each. Checks that every phase-2 stream
 equals its phase-1 text, scrapes /metrics during phase 2 (counters before and after, the most
-requests running and waiting seen, the accepted-tokens histogram's mean) and that the servers
-are alive after. Exit status 1 when a stream differs or a server died."""
+requests running and waiting seen, the accepted-tokens histogram's mean; phase 1's mean too,
+the figure `bench` reports for the same prompts one at a time) and that the servers are alive
+after. Exit status 1 when a stream differs or a server died."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import signal
+import subprocess
 import sys
 import time
 
 COUNTERS = ("eagle_trt_requests_total", "eagle_trt_prompt_tokens_total", "eagle_trt_generation_tokens_total")
-
-
-def load_prompts(tokenizer, n: int, shortest: int = 30, longest: int = 1000) -> list[str]:
-    """n user messages whose chat-templated prompts are spread evenly over [shortest, longest]
-    tokens: MT-bench questions, one after another from question i, cut to length."""
-    from eagle_trt.data import mtbench_prompts
-    questions = mtbench_prompts()
-    text = "\n\n".join(questions)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    empty = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
-    overhead = len(empty["input_ids"] if hasattr(empty, "keys") else empty)
-    prompts = []
-    for i in range(n):
-        length = shortest + (longest - shortest) * i // max(1, n - 1)
-        start = len(tokenizer("\n\n".join(questions[:i % len(questions)]), add_special_tokens=False)["input_ids"])
-        window = (ids[start:] + ids)[:max(1, length - overhead)]
-        prompts.append(tokenizer.decode(window))
-    return prompts
 
 
 async def stream_once(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -77,12 +63,13 @@ async def run(url: str, model: str, prompts: list[str], max_tokens: int) -> dict
     import httpx
     import openai
 
-    from eagle_trt.serve_metrics import parse_metrics
+    from eagle_trt.server.metrics import parse_metrics
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
     async with httpx.AsyncClient(timeout=30) as http:
         async def scrape() -> dict:
             return parse_metrics((await http.get(f"{url}/metrics")).text)
         await stream_once(client, model, prompts[0], 4)     # warm-up: first-call allocations
+        alone = await scrape()
         start, solo = time.perf_counter(), []
         for prompt in prompts:
             solo.append(await stream_once(client, model, prompt, max_tokens))
@@ -101,8 +88,23 @@ async def run(url: str, model: str, prompts: list[str], max_tokens: int) -> dict
         after = await scrape()
         healthy = (await http.get(f"{url}/health")).status_code == 200
     await client.close()
-    return {"solo": solo, "solo_s": solo_s, "together": together, "load_s": load_s, "before": before,
+    return {"solo": solo, "solo_s": solo_s, "together": together, "load_s": load_s, "alone": alone, "before": before,
             "after": after, "peak": peak, "healthy": healthy}
+
+
+def ready(url: str, server, timeout: float = 300) -> bool:
+    """Wait until the front end answers /health with 200 (tritonserver loaded the model)."""
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def counter(metrics: dict, name: str) -> float:
@@ -110,31 +112,50 @@ def counter(metrics: dict, name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle_trt.build.local_triton import TritonUnavailable
-    from eagle_trt.openai_api import serving
+    from transformers import AutoTokenizer
+
+    from eagle_trt.build.local_triton import free_port
+    from eagle_trt.data import mtbench_prompts
+    from eagle_trt.workloads import mixed_texts
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repository", required=True)
     p.add_argument("--model", default="eagle_trt")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=("mixed", "mtbench"), default="mixed")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     args = p.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(f"{args.repository}/{args.model}/1/tokenizer", local_files_only=True)
+    prompts = mixed_texts(tokenizer, args.streams) if args.workload == "mixed" else mtbench_prompts()[:args.streams]
+    # The server as a user runs it, a process of its own (its threads do not share this client's
+    # interpreter lock); --served-model-name left at the model's name.
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "eagle_trt.serve", "--repository", args.repository,
+                               "--model", args.model, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        with serving(args.repository, args.model) as (triton, http):
-            prompts = load_prompts(http.app.state.backend.tokenizer, args.streams)
-            out = asyncio.run(run(http.url, args.model, prompts, args.max_tokens))
-            alive = triton.alive() and out["healthy"]
-    except (TritonUnavailable, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if not ready(url, server):
+            print(f"error: the server did not start:\n{server.stderr.read()[-3000:]}", file=sys.stderr)
+            return 2
+        out = asyncio.run(run(url, args.model, prompts, args.max_tokens))
+        alive = server.poll() is None and out["healthy"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
     solo, together = out["solo"], out["together"]
     same = sum(a["text"] == b["text"] and a["tokens"] == b["tokens"] for a, b in zip(solo, together))
     one, many = summary(solo, out["solo_s"]), summary(together, out["load_s"])
     lengths = [r["prompt_tokens"] for r in solo]
-    accepted = "eagle_trt_accepted_tokens_per_iteration"
-    iterations = out["after"][f"{accepted}_count"] - out["before"][f"{accepted}_count"]
-    mean_accepted = (out["after"][f"{accepted}_sum"] - out["before"][f"{accepted}_sum"]) / iterations \
-        if iterations else None
+    def accepted(before: dict, after: dict) -> tuple[float | None, float]:
+        """The accepted-tokens histogram's mean between two scrapes, and its count."""
+        name = "eagle_trt_accepted_tokens_per_iteration"
+        count = after[f"{name}_count"] - before[f"{name}_count"]
+        return ((after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else None), count
+    mean_alone, iterations_alone = accepted(out["alone"], out["before"])
+    mean_accepted, iterations = accepted(out["before"], out["after"])
     print(f"{len(prompts)} chat requests of {min(lengths)}-{max(lengths)} prompt tokens x {args.max_tokens} tokens, "
           f"greedy, through the OpenAI endpoint, {args.repository}")
     for label, s in (("one stream:       ", one), (f"{len(prompts):2d} streams at once:", many)):
@@ -148,11 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  most running {out['peak']['eagle_trt_requests_running']:.0f}, waiting "
           f"{out['peak']['eagle_trt_requests_waiting']:.0f}; accepted tokens per iteration: mean "
           + (f"{mean_accepted:.2f} over {iterations:.0f} iterations" if iterations else "n/a (no drafting iteration)"))
+    if iterations_alone:
+        print(f"  phase 1 (one at a time): accepted tokens per iteration: mean {mean_alone:.2f} over "
+              f"{iterations_alone:.0f} iterations")
     print("servers alive after: " + ("yes" if alive else "NO"))
     if args.json:
         numbers = {"streams": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": lengths,
                    "one_stream": one, "concurrent": many, "identical": same, "alive": alive,
-                   "accepted_mean": mean_accepted, "peak": out["peak"],
+                   "accepted_mean": mean_accepted, "accepted_mean_alone": mean_alone,
+                   "workload": args.workload, "peak": out["peak"],
                    "counters": {n: [counter(out["before"], n), counter(out["after"], n)] for n in COUNTERS}}
         with open(args.json, "w") as f:
             json.dump(numbers, f, indent=2)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front end (`python -m eagle_trt.serve`, eagle_trt/openai_api.py) with the
+"""The OpenAI-compatible front end (`python -m eagle_trt.serve`, eagle_trt/server/app.py) with the
 official `openai` client, over a real tritonserver (the binary nvidia-pytriton bundles, CPU,
 127.0.0.1) serving the repository test_triton_serving.py serves: chat and completions, streamed
 and not, equal to the offline runtime's greedy tokens; usage; every refused field answered 400
@@ -25,9 +25,9 @@ import openai  # noqa: E402
 
 from eagle_trt.api import encode_prompt  # noqa: E402
 from eagle_trt.build.local_triton import LocalTriton, free_port  # noqa: E402
-from eagle_trt.openai_api import HttpServer, create_app  # noqa: E402
-from eagle_trt.serve_metrics import parse_metrics  # noqa: E402
-from eagle_trt.triton_stream import TritonBackend  # noqa: E402
+from eagle_trt.server.app import HttpServer, create_app  # noqa: E402
+from eagle_trt.server.metrics import parse_metrics  # noqa: E402
+from eagle_trt.server.triton_stream import TritonBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "eagle_trt"
@@ -180,7 +180,7 @@ def test_streamed_text_holds_back_unfinished_characters_and_stop_string_starts(r
     through): a character split over byte tokens waits for its last byte, the start of a stop
     string waits until it is known not to be one, a stop string spanning responses cuts the text
     before it, and the pieces add up to the ids decoded."""
-    from eagle_trt.openai_requests import Params
+    from eagle_trt.server.protocol import Params
     backend = TritonBackend(repository, "127.0.0.1:1", MODEL)
     tok = backend.tokenizer
     text = "Smile \U0001F99C wide: the world, the sky"

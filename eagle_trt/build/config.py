@@ -174,6 +174,10 @@ class ServingSection:
     # prompt delays the running streams by one chunk, not its length; docs/serving.md measures it);
     # 0: each prompt prefilled whole as it joins. The TensorRT plans take whole prompts.
     prefill_chunk: int = 256
+    # ONNX Runtime and TensorRT serving: the cost model chooses per iteration how many draft nodes
+    # to verify (runtime/cost.py); false: every iteration verifies the whole tree, as bench's
+    # one-stream rows do (the accepted-tokens metric then equals bench's mean acceptance).
+    cost_model: bool = True
     threads: int = 0               # ONNX Runtime intra-op threads per session, 0: ORT's default
     chat: bool = True              # wrap text prompts in the tokenizer's chat template
     # The drafter graph's weights where ONNX Runtime serves it (the CPU path, no engines): int8

@@ -154,7 +154,7 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
                 "max_context": resolved["target"]["max_context"], "vocab_size": resolved["target"]["vocab_size"],
                 "eos_ids": sorted(set(resolved["target"]["eos_ids"])), "chat": cfg.serving.chat,
                 "max_tokens": cfg.serving.max_tokens, "max_concurrent": cfg.serving.max_concurrent,
-                "prefill_chunk": cfg.serving.prefill_chunk,
+                "prefill_chunk": cfg.serving.prefill_chunk, "cost_model": cfg.serving.cost_model,
                 "threads": cfg.serving.threads, "graphs": {}, "precision": precision,
                 "target_kv": _kv(graphs["target"], "past_key_0"), "drafter_kv": _kv(graphs["drafter_tree"], "past_key")}
     if not plans and cfg.serving.runtime == "torch":

@@ -167,7 +167,7 @@ class TritonPythonModel:
         # One running batch per model instance: requests join it between iterations and leave it
         # when done; with the graphs the cost model decides per iteration how much of each tree
         # to verify.
-        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1))
+        cost = CostModel(shape.total_tokens, shape.top_k * (shape.depth - 1)) if s.get("cost_model", True) else None
         if s["backend"] == "torch":
             engine = torch_engine(folder, s, shape)
         elif s["backend"] == "tensorrt":

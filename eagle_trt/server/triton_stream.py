@@ -18,8 +18,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from .openai_requests import ApiError, Limits, Params
-from .serve_metrics import Metrics
+from .protocol import ApiError, Limits, Params
+from .metrics import Metrics
 
 READY_TIMEOUT = 2.0     # seconds for a readiness check: Triton on the same host answers in milliseconds
 

@@ -3,7 +3,7 @@
 `/metrics`. `python -m eagle_trt.serve` runs it (eagle_trt/serve.py).
 
 Starlette on uvicorn: FastAPI is Starlette plus pydantic, and requests are validated by hand here
-(openai_requests.py) to answer OpenAI's error object with specific messages, so pydantic would be
+(protocol.py) to answer OpenAI's error object with specific messages, so pydantic would be
 one more dependency for nothing; vLLM's server runs on the same ASGI stack underneath. Each
 request is one gRPC stream to Triton (triton_stream.py); a client that disconnects cancels the
 task that reads it, and with it the request in Triton."""
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .openai_requests import ApiError, parse_request
+from .protocol import ApiError, parse_request
 from .triton_stream import Generation, TritonBackend
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -211,7 +211,7 @@ class HttpServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         import uvicorn
-        from .build.local_triton import free_port
+        from ..build.local_triton import free_port
         self.app, self.host, self.port = app, host, port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level,
                                                     lifespan="on"))
@@ -241,7 +241,7 @@ def serving(repository: str | Path, model: str = "eagle_trt", served_name: str |
             host: str = "127.0.0.1", port: int | None = None):
     """tritonserver on the repository (LocalTriton) and the front end over it on a thread:
     yields (LocalTriton, HttpServer)."""
-    from .build.local_triton import LocalTriton
+    from ..build.local_triton import LocalTriton
     backend = TritonBackend(repository, "", model, served_name)   # reads the repository before starting anything
     with LocalTriton(repository) as triton:
         backend.url = triton.grpc_url

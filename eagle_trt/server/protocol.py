@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .api import encode_prompt
-from .config import ConfigError
+from ..api import encode_prompt
+from ..config import ConfigError
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
 INT32_MAX = 2 ** 31 - 1     # max_tokens and top_k go to Triton as INT32
