@@ -287,6 +287,10 @@ class TritonPythonModel:
                 continue
             sequence.append(seq)
             senders[id(seq)] = sender
+        for seq in list(self.decoder.prefilling):   # a client gone during a long prefill: stop it there
+            if senders[id(seq)].is_cancelled():
+                self.decoder.cancel(seq)
+                self._close(senders.pop(id(seq)), seq)
         waiting = self.incoming.qsize()
         if waiting > self.waiting_logged:   # once per newly waiting request, not every iteration
             pb_utils.Logger.log_info(f"eagle_trt: {waiting} request(s) waiting for a batch slot (all {limit} busy; "
