@@ -107,6 +107,8 @@ BAD = [
                                     "axis, engines.max_batch = 4"),
     ({"tree": {"depth": 2, "top_k": 2, "total_tokens": 9}}, "x.yaml: tree: tree total_tokens 9 exceeds"),
     ({"serving": {"model_name": "my model"}}, "x.yaml: serving.model_name: not a valid Triton model name"),
+    ({"serving": {"prefill_chunk": -1}}, "x.yaml: serving.prefill_chunk: expected 0 (whole prompts) or a positive number"),
+    ({"serving": {"cost_model": "no"}}, "x.yaml: serving.cost_model: expected bool, got 'no'"),
     ({"serving": {"drafter_weights": "int8"}, "precision": {"drafter": {"format": "fp8", "base": "fp32"}}},
      "x.yaml: serving.drafter_weights: int8 is made from an fp32 drafter graph, but precision.drafter is fp8 with base fp32"),
     ({"serving": {"drafter_weights": "int8"}, "precision": {"drafter": {"format": "fp16"}}},
