@@ -32,7 +32,7 @@ from .runtime.two_call import IterationEngine, TwoCallEngine
 MODES = ("speculative-batched", "autoregressive-batched", "speculative-per-request")
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -163,8 +163,8 @@ def _row(streams: int, mode: str, runs: list, solo: list[list[int]], nodes_per_t
             "seconds": round(statistics.median(s for _, _, s, _ in runs), 3),
             "host_ms_per_iteration": statistics.median(hosts) if hosts else None, "host_ms_per_iteration_runs": hosts,
             "tokens_per_second": statistics.median(rates), "tokens_per_second_runs": list(rates),
-            "p50_token_latency_ms": _percentile(per_token, 50), "p99_token_latency_ms": _percentile(per_token, 99),
-            "p50_first_token_ms": _percentile(first, 50), "p99_first_token_ms": _percentile(first, 99),
+            "p50_token_latency_ms": percentile(per_token, 50), "p99_token_latency_ms": percentile(per_token, 99),
+            "p50_first_token_ms": percentile(first, 50), "p99_first_token_ms": percentile(first, 99),
             "mean_accept_length": statistics.fmean(a for x in results for a in x.accept_lengths or [1]),
             "mean_draft_nodes_verified": statistics.fmean(nodes) if nodes else nodes_per_tree,
             "identical_to_solo": all(x.tokens == s for rs, *_ in runs for x, s in zip(rs, solo))}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from .build.local_triton import LocalTriton, TritonUnavailable
+    from .build.local_triton import LocalTriton, TritonUnavailable, stop_on_sigterm
     from .server.app import create_app
     from .server.triton_stream import TritonBackend
     try:   # the tokenizer and eagle.json first: a wrong --model fails before a server starts
@@ -41,10 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    # SIGTERM stops tritonserver's start as Ctrl-C does (uvicorn handles both once it runs).
-    def interrupt(*_):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
+    stop_on_sigterm()   # while tritonserver starts; uvicorn handles SIGTERM and Ctrl-C once it runs
     try:
         with (contextlib.nullcontext() if args.triton_url else LocalTriton(args.repository)) as triton:
             if triton is not None:

@@ -103,6 +103,16 @@ def mixed_texts(tokenizer, count: int, shortest: int = 30, longest: int = 1000) 
     return texts
 
 
+def serving_texts(tokenizer, name: str, count: int) -> list[str]:
+    """User turns for the serving load runs (the server applies the chat template): `mixed` or
+    the MT-bench first turns."""
+    if name == "mixed":
+        return mixed_texts(tokenizer, count)
+    if name == "mtbench":
+        return mtbench_prompts()[:count]
+    raise ConfigError(f"serving workload {name!r}: expected mixed or mtbench")
+
+
 def mixed(tokenizer, count: int) -> list[list[int]]:
     return [_chat(tokenizer, [{"role": "user", "content": t}]) for t in mixed_texts(tokenizer, count)]
 
@@ -141,4 +151,4 @@ def build(tokenizer, name: str, count: int) -> list[list[int]]:
 
 __all__ = ["CUSTOM_SYSTEM", "ESSAY_QUESTION", "LONG_LENGTHS", "WORKLOADS", "build", "essays", "humaneval",
            "humaneval_stubs", "long_context",
-           "mixed", "mixed_texts", "mtbench", "plain", "system_custom", "system_none", "without_system"]
+           "mixed", "mixed_texts", "mtbench", "serving_texts", "plain", "system_custom", "system_none", "without_system"]

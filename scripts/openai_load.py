@@ -46,17 +46,14 @@ async def stream_once(client, model: str, prompt: str, max_tokens: int) -> dict:
             "seconds": total, "itl": (total - (first or total)) / (n - 1) if n > 1 else None}
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
 
 def summary(results: list[dict], seconds: float) -> dict:
+    from eagle_trt.concurrency import percentile
     itl = [r["itl"] for r in results if r["itl"] is not None]
     return {"tok_per_s": sum(r["tokens"] for r in results) / seconds, "seconds": seconds,
-            "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 50),
-            "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 99),
-            "itl_p50_ms": 1e3 * pct(itl, 50) if itl else None, "itl_p99_ms": 1e3 * pct(itl, 99) if itl else None}
+            "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in results], 50),
+            "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in results], 99),
+            "itl_p50_ms": 1e3 * percentile(itl, 50) if itl else None, "itl_p99_ms": 1e3 * percentile(itl, 99) if itl else None}
 
 
 async def run(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
@@ -112,21 +109,12 @@ def counter(metrics: dict, name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoTokenizer
+    from triton_load import load_arguments   # scripts/, beside this one
 
     from eagle_trt.build.local_triton import free_port
-    from eagle_trt.data import mtbench_prompts
-    from eagle_trt.workloads import mixed_texts
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repository", required=True)
-    p.add_argument("--model", default="eagle_trt")
-    p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--workload", choices=("mixed", "mtbench"), default="mixed")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
-    args = p.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(f"{args.repository}/{args.model}/1/tokenizer", local_files_only=True)
-    prompts = mixed_texts(tokenizer, args.streams) if args.workload == "mixed" else mtbench_prompts()[:args.streams]
+    args, prompts = load_arguments(p, argv, workload="mixed")
     # The server as a user runs it, a process of its own (its threads do not share this client's
     # interpreter lock); --served-model-name left at the model's name.
     port = free_port()

@@ -17,16 +17,13 @@ import time
 from pathlib import Path
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
 
 def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
     from eagle_trt.build.triton import served_graphs
+    from eagle_trt.concurrency import percentile
     from eagle_trt.config import TreeShape
     from eagle_trt.runtime.cost import CostModel
     from eagle_trt.runtime.loop import DecodingLoop, Request
@@ -73,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference or tokens
         ttft = [r.token_times[0] for r in results]
         itl = [(r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1) for r in results if len(r.tokens) > 1]
-        row = {"chunk": chunk, "tok_s": sum(map(len, tokens)) / seconds, "ttft_p50": pct(ttft, 50),
-               "ttft_p99": pct(ttft, 99), "itl_p50": statistics.median(itl), "itl_p99": pct(itl, 99),
+        row = {"chunk": chunk, "tok_s": sum(map(len, tokens)) / seconds, "ttft_p50": percentile(ttft, 50),
+               "ttft_p99": percentile(ttft, 99), "itl_p50": statistics.median(itl), "itl_p99": percentile(itl, 99),
                "same": sum(a == b for a, b in zip(tokens, reference))}
         rows.append(row)
         print(f"chunk {chunk or 'whole':>5}: {row['tok_s']:6.1f} tok/s  TTFT p50 {row['ttft_p50']:5.2f} s "

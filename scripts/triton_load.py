@@ -53,29 +53,29 @@ def stream_once(url: str, model: str, prompt: str, max_tokens: int) -> tuple[lis
         client.close()
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
+def load_arguments(p: argparse.ArgumentParser, argv: list[str] | None, workload: str):
+    """The load runs' common options parsed, and their prompts (user turns) built with the
+    tokenizer the repository's model serves with."""
+    from transformers import AutoTokenizer
 
-def main(argv: list[str] | None = None) -> int:
-    from eagle_trt.build.local_triton import LocalTriton, TritonUnavailable
-    from eagle_trt.data import mtbench_prompts
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from eagle_trt.workloads import serving_texts
     p.add_argument("--repository", required=True)
     p.add_argument("--model", default="eagle_trt")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--workload", choices=("mtbench", "mixed"), default="mtbench")
+    p.add_argument("--workload", choices=("mtbench", "mixed"), default=workload)
     args = p.parse_args(argv)
-    if args.workload == "mixed":
-        from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(f"{args.repository}/{args.model}/1/tokenizer", local_files_only=True)
+    return args, serving_texts(tokenizer, args.workload, args.streams)
 
-        from eagle_trt.workloads import mixed_texts
-        folder = f"{args.repository}/{args.model}/1/tokenizer"
-        prompts = mixed_texts(AutoTokenizer.from_pretrained(folder, local_files_only=True), args.streams)
-    else:
-        prompts = mtbench_prompts()[:args.streams]
+
+def main(argv: list[str] | None = None) -> int:
+    from eagle_trt.build.local_triton import LocalTriton, TritonUnavailable
+    from eagle_trt.concurrency import percentile
+    args, prompts = load_arguments(argparse.ArgumentParser(description=__doc__,
+                                                           formatter_class=argparse.RawDescriptionHelpFormatter),
+                                   argv, workload="mtbench")
     try:
         server = LocalTriton(args.repository)
         server.__enter__()
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ttft_load = [f for _, f, _ in together]
     print(f"{len(prompts)} {args.workload} requests x {args.max_tokens} tokens, greedy, {args.repository}")
     print(f"one stream:        {solo_rate:7.1f} tok/s   TTFT p50 {1e3 * statistics.median(ttft_solo):6.0f} ms")
-    print(f"{len(prompts):2d} streams at once: {load_rate:7.1f} tok/s   TTFT p50 {1e3 * pct(ttft_load, 50):6.0f} ms, "
-          f"p99 {1e3 * pct(ttft_load, 99):6.0f} ms   ({load_rate / solo_rate:.2f}x one stream)")
+    print(f"{len(prompts):2d} streams at once: {load_rate:7.1f} tok/s   TTFT p50 {1e3 * percentile(ttft_load, 50):6.0f} ms, "
+          f"p99 {1e3 * percentile(ttft_load, 99):6.0f} ms   ({load_rate / solo_rate:.2f}x one stream)")
     print(f"streams identical to their one-at-a-time output: {same}/{len(prompts)}")
     print("malformed request under load: " + (f"refused in {1e3 * refusal:.0f} ms" if refusal is not None
                                                else "NOT refused"))

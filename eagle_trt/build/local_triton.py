@@ -182,6 +182,14 @@ class LocalTriton:
         return False
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, systemd, kill) stops a server as Ctrl-C does: a with-block's exit then
+    takes tritonserver and its backend stubs down instead of leaving them on the ports."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_trt.build.local_triton", description=__doc__.splitlines()[0])
     p.add_argument("--repository", required=True, help="model repository written by python -m eagle_trt.build")
@@ -191,11 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.repository) / ".").is_dir():
         print(f"error: {args.repository}: model repository not found", file=sys.stderr)
         return 2
-    # SIGTERM (docker stop, systemd, kill) stops the server as Ctrl-C does: the with-block's
-    # exit then takes tritonserver and its backend stubs down instead of leaving them on the ports.
-    def interrupt(*_):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
+    stop_on_sigterm()
     try:
         with LocalTriton(args.repository, args.grpc_port, args.http_port) as server:
             print(f"serving {server.repository} on grpc {server.grpc_url}, http 127.0.0.1:{server.http_port} "
