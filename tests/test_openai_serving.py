@@ -113,6 +113,21 @@ def test_chat_equals_the_offline_greedy_tokens(client, offline):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_equals_python_m_eagle_trt_generate(client, offline, capsys):
+    """The command-line generator, greedy, on the same prompt (the PyTorch engine with the shipped
+    drafter, not the served graphs): the same tokens as the chat completion."""
+    import json
+
+    from eagle_trt.generate import main as generate
+    prompt = offline["prompts"][2]
+    assert generate(["--prompt", prompt, "--chat", "--max-new-tokens", str(NEW_TOKENS), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    r = client.chat.completions.create(model=MODEL, messages=chat(prompt), temperature=0, max_tokens=NEW_TOKENS)
+    assert r.usage.completion_tokens == len(want["tokens"])
+    assert r.choices[0].message.content == decode(offline, want["tokens"])
+    assert want["tokens"] == offline["tokens"][2]
+
+
 def test_completions_equal_the_offline_greedy_tokens(client, offline, completion):
     """A text prompt (no chat template) not streamed, the same prompt as token ids streamed, and
     the repository's default max_tokens (serving.max_tokens) when the request gives none."""
