@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 COUNTERS = ("eagle_trt_requests_total", "eagle_trt_prompt_tokens_total", "eagle_trt_generation_tokens_total")
 
@@ -109,7 +110,8 @@ def counter(metrics: dict, name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from triton_load import load_arguments   # scripts/, beside this one
+    sys.path.insert(0, str(Path(__file__).resolve().parent))   # scripts/: triton_load beside this one
+    from triton_load import load_arguments
 
     from eagle_trt.build.local_triton import free_port
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
