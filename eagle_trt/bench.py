@@ -52,6 +52,7 @@ from .checkpoints import CheckpointError, cache_dir
 from .config import ConfigError, SamplingConfig, TreeShape, parse_tree
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .export import export_pipeline
+from .peers import PeerUnavailable
 from .runtime.ort_engines import open_backends
 from .runtime.static import StaticEngine
 from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
@@ -92,6 +93,14 @@ def format_table(results: list[dict]) -> str:
                      f"{c['iteration_ms']:>11.1f}"
                      f"{c['break_even_accept_length']:>12.2f}{c['accept_length_for_1.8x']:>10.2f}"
                      f"{r['mean_accept_length']:>10.2f}")
+    peers = [(r["workload"], label, row) for r in results for label, row in r.get("peers", {}).items()]
+    if peers:
+        lines += ["", "peers: plain decoding elsewhere on the same prompt ids and threads ('same': outputs identical "
+                  "to the graphs' autoregressive decoding):"]
+        lines += [f"{w:<10}{label:<18}{row['tokens_per_second']:>8.1f} tok/s   speculative {row['speculative_speedup']:.2f}x "
+                  f"it, the graphs' plain decoding {row['autoregressive_ratio']:.2f}x it   same "
+                  f"{row['identical_to_autoregressive']}/{next(r['prompts'] for r in results if r['workload'] == w)}"
+                  for w, label, row in peers]
     return "\n".join(lines)
 
 
@@ -198,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
                         "decoding; the modes' outputs then differ, each drawn from the same distribution")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--peers", default="", help="llama.cpp: on a CPU, also llama.cpp's plain decoding of the same "
+                   "weights (f32, and the GGUF the target came from) on the same prompts and threads (eagle_trt/peers.py; "
+                   "install it with bash scripts/install_llama_cpp.sh)")
     p.add_argument("--out", type=Path, required=True, help="folder for bench.json and the plots")
     return p
 
@@ -218,6 +230,8 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
         if not names and not levels:
             raise ConfigError("nothing to measure: give --workloads or --concurrency")
+        if args.peers not in ("", "llama.cpp"):
+            raise ConfigError(f"--peers {args.peers!r}: the peer known is llama.cpp")
         if sampling is not None and levels:
             raise ConfigError(f"--concurrency measures greedy decoding (its rows compare outputs with one stream's): "
                               f"drop --temperature {args.temperature} or run it without --concurrency")
@@ -227,6 +241,11 @@ def main(argv=None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         on_rows = device.type == "cuda" or args.rows is not None
         rows = [r.strip() for r in (args.rows or ",".join(ROWS)).split(",") if r.strip()]
+        if args.peers:
+            if on_rows:
+                raise ConfigError("--peers llama.cpp: the peer rows are a CPU comparison (drop --rows / --device cuda)")
+            from .peers import require_llama_cpp
+            require_llama_cpp()
         if on_rows and args.sweep_prompts is not None:
             raise ConfigError("--sweep-prompts: the rows (a GPU, or --rows) have no tree sweep: every --tree shape "
                               "is a captured speculative row measured on the prompts themselves")
@@ -247,7 +266,7 @@ def main(argv=None) -> int:
         if on_rows:
             measured = make_rows(rows, models, f32, shapes, dtype, folder, **static, drafter_weights=args.drafter_weights,
                                  iteration_graph=args.iteration_graph == "on")
-    except (ConfigError, CheckpointError, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, FileNotFoundError, PeerUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     held = (held_out[:args.concurrency_prompts], held_out[args.concurrency_prompts:])
@@ -321,7 +340,17 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     ort.warm_up(warm)
     if hf is not None:
         hf.generate(warm, 8)
-    results = [run_workload(w, ids, hf, ort, args.max_new_tokens, shape.depth, args.repeats, sampling)
+    peers = ()
+    if args.peers:
+        from .checkpoints import smollm2_gguf
+        from .peers import llama_cpp_peers
+        source = smollm2_gguf() if args.target == "smollm2" else Path(args.target) if args.target.endswith(".gguf") \
+            else None
+        longest = max(map(len, sum(prompts.values(), []) + [warm])) + args.max_new_tokens
+        peers = llama_cpp_peers(f32.target.folder, source, threads, -(-longest // 256) * 256, eos)
+        for peer in peers:
+            peer.generate(warm, 8)
+    results = [run_workload(w, ids, hf, ort, args.max_new_tokens, shape.depth, args.repeats, sampling, peers)
                for w, ids in prompts.items()]
     concurrent = []
     if levels:

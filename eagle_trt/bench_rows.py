@@ -152,10 +152,13 @@ class Transformers:
 
 
 def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: OrtDecoding, max_new_tokens: int,
-                 depth: int, repeats: int = 2, sampling: SamplingConfig | None = None) -> dict:
+                 depth: int, repeats: int = 2, sampling: SamplingConfig | None = None, peers: tuple = ()) -> dict:
     """sampling: every mode samples, prompt i with seed i; outputs then differ between modes (each
-    draws its own way from the same distribution), so identical_outputs is None."""
+    draws its own way from the same distribution), so identical_outputs is None. peers: other
+    plain decoders (peers.LlamaCpp) on the same prompts, each prompt's fastest of `repeats` runs,
+    right after the graphs' runs of that prompt."""
     rows = {m: {"tokens": 0, "seconds": 0.0} for m in MODES}
+    peer_rows = {peer.label: {"tokens": 0, "seconds": 0.0, "identical_to_autoregressive": 0} for peer in peers}
     split = {role: 0.0 for role in ort.sessions}      # seconds inside each session's calls
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
     accepts, identical = [], 0
@@ -177,11 +180,21 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
+        peer_rates = ""
+        for peer in peers:
+            run = min((peer.generate(ids, max_new_tokens, how) for _ in range(repeats)), key=lambda r: r["seconds"])
+            row = peer_rows[peer.label]
+            row["tokens"], row["seconds"] = row["tokens"] + len(run["tokens"]), row["seconds"] + run["seconds"]
+            row["identical_to_autoregressive"] += run["tokens"] == ar.tokens
+            peer_rates += f", {peer.label} {len(run['tokens']) / run['seconds']:.1f}"
         print(f"  {name} {i + 1}/{len(prompts)}: accept {sp.mean_accept_length:.2f}; tok/s transformers "
               f"{len(hf_tokens) / hf_s:.1f}, autoregressive {len(ar.tokens) / ar.seconds:.1f}, speculative "
-              f"{len(sp.tokens) / sp.seconds:.1f}", file=sys.stderr, flush=True)
-    for r in rows.values():
+              f"{len(sp.tokens) / sp.seconds:.1f}{peer_rates}", file=sys.stderr, flush=True)
+    for r in [*rows.values(), *peer_rows.values()]:
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
+    for r in peer_rows.values():
+        r["speculative_speedup"] = rows["speculative"]["tokens_per_second"] / r["tokens_per_second"]
+        r["autoregressive_ratio"] = rows["autoregressive"]["tokens_per_second"] / r["tokens_per_second"]
     spec_s = rows["speculative"]["seconds"]
     absolute, conditional = depth_rates(accepts, depth)
     # Where the time goes, per call (prefill folded in, as in the tokens/s): one speculative
@@ -203,7 +216,8 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
             "speedup_vs_autoregressive": rows["speculative"]["tokens_per_second"] / rows["autoregressive"]["tokens_per_second"],
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": dict({k: v / spec_s for k, v in split.items()}, host=1 - sum(split.values()) / spec_s),
-            "cost": cost, "identical_outputs": identical if sampling is None else None, "peak_rss_gb": peak_rss_gb()}
+            "cost": cost, "identical_outputs": identical if sampling is None else None, "peers": peer_rows,
+            "peak_rss_gb": peak_rss_gb()}
 
 
 class LoopRow:
