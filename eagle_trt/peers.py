@@ -29,12 +29,17 @@ class PeerUnavailable(RuntimeError):
     pass
 
 
-def require_llama_cpp() -> None:
-    """Fail before anything is measured where llama.cpp or its converter is missing."""
+def _llama_cpp():
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except ImportError:
         raise PeerUnavailable(f"llama.cpp is not installed (llama-cpp-python): {INSTALL}") from None
+    return llama_cpp
+
+
+def require_llama_cpp() -> None:
+    """Fail before anything is measured where llama.cpp or its converter is missing."""
+    _llama_cpp()
     converter()
 
 
@@ -76,10 +81,7 @@ class LlamaCpp:
     bench_rows.Transformers' interface."""
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int, eos: set[int], label: str):
-        try:
-            import llama_cpp
-        except ImportError:
-            raise PeerUnavailable(f"llama.cpp is not installed: {INSTALL}") from None
+        llama_cpp = _llama_cpp()
         self.llama_cpp, self.label, self.eos = llama_cpp, label, set(eos)
         self.model = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                                      n_batch=512, logits_all=False, verbose=False)

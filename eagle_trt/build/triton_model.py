@@ -241,11 +241,8 @@ class TritonPythonModel:
                                   scalar("top_k", int, 0), scalar("seed", int, None)).validate()
         stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         stop_ids = tuple(int(i) for i in stop.as_numpy().reshape(-1)) if stop is not None else ()
-        bad = [i for i in stop_ids if not 0 <= i < s["vocab_size"]]
-        if bad:
-            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{s['vocab_size'] - 1})")
         # Everything the decoder would refuse is refused here, before the request waits for anything.
-        check_request(prompt, max_tokens, s["max_context"], s["vocab_size"])
+        check_request(prompt, max_tokens, s["max_context"], s["vocab_size"], stop_ids=stop_ids)
         return prompt, max_tokens, sampling, stop_ids
 
     def _streamer(self, sender, sequence: list):

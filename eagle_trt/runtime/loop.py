@@ -54,7 +54,8 @@ class GenerationResult:
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, vocab_size: int | None = None,
-                  context: str = "the target's context", source: str = "max_position_embeddings") -> None:
+                  context: str = "the target's context", source: str = "max_position_embeddings",
+                  stop_ids: tuple[int, ...] = ()) -> None:
     if len(prompt_ids) == 0:
         raise ConfigError("the prompt is empty: nothing to condition on")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -62,9 +63,10 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, max_context: int, 
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                           f"{context} of {max_context} tokens ({source})")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
-        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
-        raise ConfigError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    for what, ids in (("prompt token id", prompt_ids), ("stop id", stop_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None) if vocab_size is not None else None
+        if bad is not None:
+            raise ConfigError(f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _finish(done: int, new: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str | None]:
@@ -192,10 +194,8 @@ class DecodingLoop:
         the engine would refuse, before touching the caches."""
         sampling = (request.sampling or SamplingConfig()).validate()
         request.sampling = sampling
-        check_request(request.prompt_ids, request.max_new_tokens, self.engine.max_context, self.vocab_size)
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.stop_ids):
-            raise ConfigError(f"stop id {next(t for t in request.stop_ids if not 0 <= t < self.vocab_size)} is "
-                              f"outside the vocabulary (0..{self.vocab_size - 1})")
+        check_request(request.prompt_ids, request.max_new_tokens, self.engine.max_context, self.vocab_size,
+                      stop_ids=request.stop_ids)
         limit = self.engine.max_batch
         if limit is not None and self.running >= limit:
             raise ConfigError(f"the batch is full: {limit} sequences (max_batch)")
@@ -211,12 +211,12 @@ class DecodingLoop:
         """Prefill rows start..end of seq's prompt; at its end the sequence joins the batch with
         its first token. Returns whether it joined."""
         request, sampling = seq.request, seq.request.sampling
-        whole = end == len(request.prompt_ids)
-        if whole and not self.active:   # nothing running: start from fresh caches (a chunked prompt's
+        last = end == len(request.prompt_ids)
+        if last and not self.active:   # nothing running: start from fresh caches (a chunked prompt's
             self.engine.reset()          # earlier rows are held apart from them)
         pick = None if sampling.greedy else (lambda logits: sample_token(logits, sampling, seq.gen))
         first = self.engine.prefill(request.prompt_ids, request.max_new_tokens, pick, start, end)
-        if not whole:
+        if not last:
             return False
         seq.result.target_calls = 1
         self.active.append(seq)
