@@ -67,7 +67,7 @@ class Pipeline:
 class Models:
     """A target with its tokenizer and a drafter that fits it, capture layers set from the drafter."""
     target: LoadedTarget
-    drafter: EagleDrafter
+    drafter: EagleDrafter | None      # None: the build's stages that need the target alone
     drafter_source: str
     tokenizer: object
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -289,6 +290,28 @@ def save_drafter(drafter: EagleDrafter, folder: str | Path) -> Path:
     return folder
 
 
+NORMAL_DRAW = 1 << 24       # float32 draws at a time (64 MB)
+
+
+def _normal_rows(shape: tuple[int, ...], gen: torch.Generator, budget: int = NORMAL_DRAW):
+    """torch.randn(shape, generator=gen) as (row slice, draws) blocks of at most `budget` values:
+    the same numbers, since PyTorch's CPU normal draws its uniforms in order and pairs them in
+    groups of 16, redrawing the last 16 of a tensor whose size is not a multiple of 16: blocks are
+    whole rows, each a multiple of 16 values but the last, which holds at least 16)."""
+    if len(shape) < 2 or math.prod(shape) <= budget:
+        yield slice(None), torch.randn(shape, generator=gen)
+        return
+    width = math.prod(shape[1:])
+    whole = 16 // math.gcd(width, 16)           # rows that hold a multiple of 16 values
+    rows = max(whole, budget // width // whole * whole)
+    first = 0
+    while first < shape[0]:
+        # a last block under 16 values would be drawn another way: it joins the one before
+        n = rows if (shape[0] - first - rows) * width >= 16 else shape[0] - first
+        yield slice(first, first + n), torch.randn((n, *shape[1:]), generator=gen)
+        first += n
+
+
 def random_drafter(target: LoadedTarget, variant: str = "eagle3.1", seed: int = 0,
                    draft_vocab_size: int | None = None, std: float = 0.02) -> EagleDrafter:
     """An untrained drafter that fits `target`, for plumbing and tests (acceptance will be low)."""
@@ -298,10 +321,12 @@ def random_drafter(target: LoadedTarget, variant: str = "eagle3.1", seed: int = 
 
 
 def random_drafter_for(t: TargetConfig, variant: str = "eagle3.1", seed: int = 0, draft_vocab_size: int | None = None,
-                       std: float = 0.02) -> EagleDrafter:
+                       std: float = 0.02, dtype: torch.dtype = torch.float32) -> EagleDrafter:
     """random_drafter from the target's config alone (its weights not loaded): marked as sharing
     the target's embedding, which save_drafter leaves out and load_drafter takes from the
-    target, so a saved copy is the drafter random_drafter makes with the same arguments."""
+    target, so a saved copy is the drafter random_drafter makes with the same arguments. Made a
+    parameter at a time in `dtype` (the float32 draws rounded to it), the shared embedding never:
+    a 70B-wide drafter's weights are 9 GB in float32 (the draws are the same whatever `dtype`)."""
     if variant not in ("eagle3", "eagle3.1"):
         raise ConfigError(f"drafter variant must be 'eagle3' or 'eagle3.1', got {variant!r}")
     is31 = variant == "eagle3.1"
@@ -314,13 +339,19 @@ def random_drafter_for(t: TargetConfig, variant: str = "eagle3.1", seed: int = 0
         fc_norm=is31, norm_output=is31,
     )
     gen = torch.Generator().manual_seed(seed)
-    drafter = EagleDrafter(dcfg)
+    with parameters_on_meta():
+        drafter = EagleDrafter(dcfg)
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
+        for name, p in list(drafter.named_parameters()):
+            norm = name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm")
+            value = None if name == "embed_tokens.weight" else torch.empty(p.shape, dtype=dtype)
+            for rows, draw in _normal_rows(tuple(p.shape), gen):
+                if value is not None:
+                    value[rows] = 1.0 + 0.1 * draw if norm else std * draw
+            module, _, attr = name.rpartition(".")
+            holder = drafter.get_submodule(module)
+            holder._parameters[attr] = torch.nn.Parameter(
+                value if value is not None else torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=False)
         if dcfg.draft_vocab_size < dcfg.vocab_size:
             used = torch.sort(torch.randperm(dcfg.vocab_size, generator=gen)[: dcfg.draft_vocab_size]).values
             drafter.d2t.copy_(used - torch.arange(dcfg.draft_vocab_size))

@@ -41,6 +41,27 @@ def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "c
 
 
 FED_TYPES = {1: np.float32, 10: np.float16}     # TensorProto.FLOAT, FLOAT16: the weights fed as memory maps
+# types numpy has no dtype for (BFLOAT16, FLOAT8E4M3FN, FLOAT8E5M2): their bytes mapped, fed as OrtValues of the type
+RAW_FED_TYPES = {16: np.uint16, 17: np.uint8, 19: np.uint8}
+
+
+def probe_session(graph: str | Path, threads: int | None = 1) -> "WeightsFed":
+    """An FP8 graph run once, unoptimized with FP8_SESSION's settings (each weight dequantized
+    when its MatMul runs, then freed), its external weights fed as memory maps (WeightsFed):
+    ONNX Runtime reads a data file whose tensors are not page-aligned into its heap, all of a
+    70B-wide target's FP8 layers at once (the layer parity check)."""
+    import onnxruntime as ort
+
+    from .runtime.sessions import FP8_SESSION
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for key, value in FP8_SESSION["config"].items():
+        so.add_session_config_entry(key, value)
+    if threads:
+        so.intra_op_num_threads = threads
+    so.enable_cpu_mem_arena = False
+    so.log_severity_level = 3
+    return WeightsFed(Path(graph), so)
 
 
 class WeightsFed:
@@ -54,19 +75,26 @@ class WeightsFed:
         import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
+
+        from .export.graph_files import read_array   # also from a weights file with several hard links
         model = onnx.load(str(graph), load_external_data=False)
-        self.weights: dict[str, np.ndarray] = {}
+        self.weights: dict[str, np.ndarray | ort.OrtValue] = {}
+        self.maps: list[mmap.mmap] = []
         kept = []
         for init in model.graph.initializer:
             if init.data_location != TensorProto.EXTERNAL:
                 kept.append(init)
                 continue
             info = {e.key: e.value for e in init.external_data}
-            if init.data_type not in FED_TYPES:    # small non-float tensors: into the graph
-                kept.append(numpy_helper.from_array(numpy_helper.to_array(init, str(graph.parent)), init.name))
+            dtype = FED_TYPES.get(init.data_type, RAW_FED_TYPES.get(init.data_type))
+            if dtype is None:    # small non-float tensors: into the graph
+                kept.append(numpy_helper.from_array(read_array(init, graph.parent), init.name))
                 continue
-            self.weights[init.name] = np.memmap(graph.parent / info["location"], dtype=FED_TYPES[init.data_type],
-                                                mode="r", offset=int(info.get("offset", 0)), shape=tuple(init.dims))
+            mapped = np.memmap(graph.parent / info["location"], dtype=dtype, mode="r",
+                               offset=int(info.get("offset", 0)), shape=tuple(init.dims))
+            self.maps.append(mapped._mmap)
+            self.weights[init.name] = (mapped if init.data_type in FED_TYPES     # OrtValue: a view, no copy
+                                       else ort.OrtValue.ortvalue_from_numpy_with_onnx_type(mapped, init.data_type))
             model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
         if not self.weights:
             self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
@@ -84,7 +112,7 @@ class WeightsFed:
     def run(self, output_names, feeds):
         if not self.weights:
             return self.session.run(output_names, feeds)
-        with pages_dropped([w._mmap for w in self.weights.values()]):
+        with pages_dropped(self.maps):
             return self.session.run(output_names, {**feeds, **self.weights})
 
 
@@ -115,4 +143,4 @@ def pages_dropped(maps: list[mmap.mmap], every: float = 0.2):
         drop()
 
 
-__all__ = ["FED_TYPES", "WeightsFed", "pages_dropped", "parity_session"]
+__all__ = ["FED_TYPES", "RAW_FED_TYPES", "WeightsFed", "pages_dropped", "parity_session", "probe_session"]

@@ -158,6 +158,8 @@ class TensorFiles:
         entry = self.entries[name]
         if self._torch_bin is not None:
             value = self._torch_bin[name]
+        elif dtype is not None and dtype != entry.dtype and entry.dtype.is_floating_point and dtype.is_floating_point:
+            value = _read_converted(entry, dtype)
         else:
             value = torch.empty(entry.shape, dtype=entry.dtype)
             _read_into(entry, value)
@@ -168,19 +170,34 @@ class TensorFiles:
         return value.clone() if self._torch_bin is not None and value is self._torch_bin[name] else value
 
 
-def _read_into(entry: TensorEntry, value: torch.Tensor) -> None:
+def _read_into(entry: TensorEntry, value: torch.Tensor, start: int = 0) -> None:
+    """The file's bytes [start, start + value's size) of `entry` into `value` (its own dtype)."""
     buf = value.reshape(-1).view(torch.uint8).numpy() if value.numel() else None
     if buf is None:
         return
-    done = 0
+    done, size = 0, buf.nbytes
     with open(entry.file, "rb", buffering=0) as f:
-        f.seek(entry.start)
-        while done < entry.nbytes:
+        f.seek(entry.start + start)
+        while done < size:
             n = f.readinto(memoryview(buf)[done:done + READ_BLOCK])
             if not n:
                 raise CheckpointError(f"{entry.file}: truncated: tensor '{entry.name}' ends at byte "
-                                      f"{entry.start + entry.nbytes}, the file ended at {entry.start + done}")
+                                      f"{entry.start + entry.nbytes}, the file ended at {entry.start + start + done}")
             done += n
+
+
+def _read_converted(entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in another float type, converted a block at a time: a 70B-wide lm_head read as
+    float32 from bf16 holds its float32 copy and one block, not the bf16 copy beside it."""
+    value = torch.empty(entry.shape, dtype=dtype)
+    flat = value.reshape(-1)
+    step = max(1, READ_BLOCK // entry.dtype.itemsize)
+    block = torch.empty(min(step, flat.numel()), dtype=entry.dtype)
+    for first in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - first)
+        _read_into(entry, block[:n], first * entry.dtype.itemsize)
+        flat[first:first + n] = block[:n]
+    return value
 
 
 # ----------------------------------------------------------------------------- the model's side

@@ -2,12 +2,13 @@
 synthetic real-size checkpoint (issue 53: every stage of the default build bounded by the
 target's weights in its base precision plus a fixed overhead).
 
-    python scripts/build_memory.py [--out DIR] [--shape 0.83b|llama3.1-8b] [--configs default,reduced]
-                                   [--precisions fp32,fp8] [--threads 2] [--resume]
+    python scripts/build_memory.py [--out DIR] [--shape 0.83b|llama3.1-8b|llama3.1-70b] [--layers N]
+                                   [--configs default,reduced] [--precisions fp32,fp8] [--threads 2] [--resume]
 
 Writes a random Llama of --shape (0.83b: hidden 2048, 12 layers, GQA 32 / 8, intermediate 8192,
 tied embeddings, vocabulary 49152; llama3.1-8b: Llama-3.1-8B's shape, hidden 4096, 32 layers,
-GQA 32 / 8, intermediate 14336, vocabulary 128256, untied) with SmolLM2's tokenizer, bf16
+GQA 32 / 8, intermediate 14336, vocabulary 128256, untied; llama3.1-70b: Llama-3.1-70B's width,
+hidden 8192, GQA 64 / 8, intermediate 28672, 80 layers unless --layers cuts it) with SmolLM2's tokenizer, bf16
 safetensors shards in transformers' layout (made once and reused, one shard in memory at a
 time), then builds it once per config and precision, each in a fresh interpreter:
 
@@ -45,7 +46,10 @@ SHAPES = {
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-SHARD_BYTES = {"0.83b": "500MB", "llama3.1-8b": "5GB"}    # the second as Llama-3.1-8B on the Hub (4 files)
+# Llama-3.1-70B's width (80 layers on the Hub; cut with --layers, since the build's peak does not grow with depth)
+SHAPES["llama3.1-70b"] = dict(SHAPES["llama3.1-8b"], hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                              intermediate_size=28672)
+SHARD_BYTES = {"0.83b": "500MB", "llama3.1-8b": "5GB", "llama3.1-70b": "5GB"}   # as on the Hub
 OVERHEAD_BOUND = 2e9       # bytes the build may use beyond one copy of the weights in their base precision
 BASE_BYTES = {"fp32": 4, "fp16": 2}
 

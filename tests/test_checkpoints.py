@@ -534,3 +534,23 @@ def test_random_drafter_from_the_config_alone_saves_what_random_drafter_makes(ti
     assert loaded.embed_tokens.weight.data_ptr() == tiny_target.model.embed_tokens.weight.data_ptr()
     mine, theirs = loaded.state_dict(), made.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_random_drafter_is_drawn_in_blocks_and_in_its_dtype():
+    """The random fallback drafter is made a block of draws at a time, in the drafter's dtype (a
+    70B-wide one would be 9 GB in float32): the same numbers as one draw per tensor, rounded."""
+    from eagle_trt.checkpoints import _normal_rows, random_drafter_for
+    from eagle_trt.config import TargetConfig
+    for shape, budget in (((100, 30), 700), ((64, 48), 1000), ((37, 8), 50), ((38, 8), 50), ((300,), 16)):
+        whole = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+        blocks = list(_normal_rows(shape, torch.Generator().manual_seed(3), budget))
+        assert len(blocks) > 1 or len(shape) == 1
+        assert torch.equal(torch.cat([draws for _, draws in blocks]), whole), shape
+    cfg = TargetConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    full = random_drafter_for(cfg, draft_vocab_size=48)
+    half = random_drafter_for(cfg, draft_vocab_size=48, dtype=torch.float16)
+    assert half.embed_tokens.weight.is_meta          # shared with the target: never made
+    for (name, a), (_, b) in zip(full.state_dict().items(), half.state_dict().items()):
+        if name != "embed_tokens.weight":
+            assert torch.equal(a.to(b.dtype) if a.is_floating_point() else a, b), name

@@ -67,8 +67,8 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
                                                                         monkeypatch):
     """export_pipeline's `iteration_int8`: the int8 drafter graph composed with a target graph
     from another folder (as bench keeps them), whose weights lie in a data file: that file is
-    hard-linked beside the iteration graph, not copied, and the graph's own data file holds only
-    the drafter's and the glue's tensors. Decoding with one call an iteration equals the
+    hard-linked beside the iteration graph, not copied, and the drafter's weights are read from
+    its own data file beside it (the glue's few tensors stay in the graph). Decoding with one call an iteration equals the
     target's own greedy output. The graph is kept while its inputs are current, and composed
     again when the drafter is retrained or the target graph is exported anew."""
     from eagle_trt.export import export_target
@@ -82,10 +82,9 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
     paths = export_pipeline(models, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert set(paths) == {"drafter_tree", "drafter_tree_int8", "iteration_int8"}    # no second target graph
     graph = paths["iteration_int8"]
-    shared = trees / "target.onnx.data"
-    assert graph_files(graph) == [graph, graph.with_name("iteration_int8.onnx.data"), shared]
+    shared, drafter_data = trees / "target.onnx.data", trees / "drafter_tree_int8.onnx.data"
+    assert graph_files(graph) == [graph, drafter_data, shared]        # both graphs' weights files, no third
     assert shared.samefile(target_graph.with_name("target.onnx.data"))              # a link, no copy
-    assert graph.with_name("iteration_int8.onnx.data").stat().st_size < shared.stat().st_size
     ops = [n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node]
     assert "MatMulInteger" in ops and "GatherElements" in ops                     # int8 drafter, glue
 
@@ -115,3 +114,45 @@ def test_iteration_graph_of_the_int8_drafter_is_composed_kept_and_remade(tiny_ta
                        "drafters/mine", None)
     export_pipeline(retrained, SHAPE, trees, log=None, only=("iteration_int8",), target_graph=target_graph)
     assert stamp() != before
+
+
+def _int8_graph(path) -> tuple[list, dict]:
+    """A graph's nodes (sorted: the two writers order independent nodes differently) and its
+    initializers as arrays, read wherever they lie."""
+    from eagle_trt.export.graph_files import read_array
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = sorted((n.op_type, n.name, tuple(n.input), tuple(n.output),
+                    tuple(sorted((a.name, str(onnx.helper.get_attribute_value(a))) for a in n.attribute)))
+                   for n in model.graph.node)
+    return nodes, {t.name: read_array(t, path.parent) for t in model.graph.initializer}
+
+
+def test_streamed_int8_equals_onnxruntime_quantizer_bit_for_bit(tiny_target, tiny_drafter, tmp_path, monkeypatch):
+    """quantize_int8 reads and writes one weight at a time (a 70B-wide drafter graph does not fit
+    in memory twice, which ONNX Runtime's quantizer needs); its graph is the quantizer's: the
+    same nodes and every tensor bit for bit, with the weights inside the graph and in a data file."""
+    import numpy as np
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from eagle_trt.export.cpu_int8 import quantize_int8
+    captured = capturing(tiny_target, tiny_drafter)
+    models = Models(captured, tiny_drafter, "drafters/mine", None)
+    for threshold in (None, "0"):                  # inside the protobuf; every weight in a data file
+        if threshold is not None:
+            monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", threshold)
+        out = tmp_path / f"data-{threshold}"
+        src = export_pipeline(models, SHAPE, out, log=None, only=("drafter_tree",))["drafter_tree"]
+        folded = onnx.load(str(src))
+        fold_weight_aliases(folded)
+        onnx.save(folded, str(out / "folded.onnx"))
+        quantize_dynamic(out / "folded.onnx", out / "reference.onnx", weight_type=QuantType.QInt8,
+                         per_channel=True, op_types_to_quantize=["MatMul"])
+        counts = quantize_int8(src, out / "streamed.onnx")
+        assert (out / "streamed.onnx.data").exists() == (threshold is not None)
+        ref_nodes, ref_weights = _int8_graph(out / "reference.onnx")
+        nodes, weights = _int8_graph(out / "streamed.onnx")
+        assert nodes == ref_nodes
+        assert counts["int8_matmuls"] == sum(n[0] == "MatMulInteger" for n in nodes) > 0
+        assert sorted(weights) == sorted(ref_weights)
+        for name, ref in ref_weights.items():
+            assert weights[name].dtype == ref.dtype and np.array_equal(weights[name], ref), name
+        assert any(n.endswith("_quantized") and w.dtype == np.int8 and w.ndim == 2 for n, w in weights.items())

@@ -104,6 +104,28 @@ def test_every_quantized_matmul_matches_its_quant_linear(setup, oracle_target, f
     assert worst <= 1e-5, [r for r in report if r.rel_l2 > 1e-5]
 
 
+def test_layer_parity_feeds_an_fp8_graphs_weights_file_as_memory_maps(setup, oracle_target, tmp_path, monkeypatch):
+    """The layer check's probe of an FP8 graph whose weights lie in a data file: the FP8 and
+    float weights are fed as memory maps of that file (ONNX Runtime would read every layer into
+    its heap), with the same report as the graph with its weights inside."""
+    import onnxruntime as ort
+
+    from eagle_trt.parity_sessions import probe_session
+    monkeypatch.setenv("EAGLE_TRT_EXTERNAL_DATA_BYTES", "0")
+    path = export_target(oracle_target.model, tmp_path / "t.onnx").path
+    dst = tmp_path / "t.fp8.onnx"
+    quantize_onnx(path, dst, QuantConfig("fp8"), setup["amax"]["target"], linear_paths(oracle_target.model))
+    assert dst.with_name("t.fp8.onnx.data").is_file()
+    fed = probe_session(dst)
+    assert sum(isinstance(w, ort.OrtValue) for w in fed.weights.values()) == 6 * 7     # the FP8 weights, mapped
+    reference, _ = quantized_copy(oracle_target.model, QuantConfig("fp8"), setup["amax"]["target"])
+    feeds, _ = target_feeds(oracle_target.config, _ids(9, seed=3), past=4)
+    mapped = layer_parity(str(dst), reference, feeds)
+    inside = layer_parity(str(setup["graphs"]["target", "fp8"]), reference, feeds)
+    assert [(r.module, r.rel_l2) for r in mapped] == [(r.module, r.rel_l2) for r in inside]
+    assert max(r.rel_l2 for r in mapped) <= 1e-5
+
+
 def test_quantize_model_in_place_lets_each_float_weight_go(setup, oracle_target, monkeypatch):
     """The parity stage makes its fake-quant reference from the float model in place, so a
     real-size target is never held twice: nothing in quantize_model may keep a replaced

@@ -233,6 +233,36 @@ def test_weights_fed_as_memory_maps_leave_no_pages_in_the_process_after_a_call(t
     assert mapped_kb() < 1024, f"{mapped_kb()} kB of the weights file still mapped after the call"
 
 
+def test_weights_fed_reads_a_weights_file_with_several_hard_links(tmp_path):
+    """A graph whose weights file is hard-linked elsewhere too (the Triton repository's graphs,
+    or the iteration graph parity composes beside the drafter's): its integer tensors, which
+    WeightsFed puts into the graph, are read although onnx's own loader refuses such a file."""
+    import os
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from eagle_trt.export.graph_files import DataFile
+    from eagle_trt.parity import WeightsFed
+
+    offsets = np.arange(512, dtype=np.int64)
+    graph = tmp_path / "g.onnx"
+    with DataFile(tmp_path / "g.onnx.data") as data:
+        init = data.append(onnx.TensorProto(name="d2t", data_type=TensorProto.INT64, dims=offsets.shape),
+                           [offsets.tobytes()])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Add", ["x", "d2t"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [512])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [512])], [init]),
+        opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    onnx.save(model, str(graph))
+    os.link(tmp_path / "g.onnx.data", tmp_path / "elsewhere.data")
+    x = {"x": np.full(512, 7, np.int64)}
+    got = WeightsFed(graph, ort.SessionOptions()).run(None, x)[0]
+    np.testing.assert_array_equal(got, offsets + 7)
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_pytorch_model_bin_target_is_read_part_by_part_too(tmp_path, legacy):
     """pytorch_model.bin (mapped by torch.load; the legacy pre-zip format read whole)."""

@@ -179,13 +179,15 @@ class Build:
         except ConfigError as exc:
             raise BuildConfigError(f"{self.cfg.source}: device: {exc}") from None
 
-    def models_on(self, device):
+    def models_on(self, device, drafter: bool = True):
         """The models on `device`: the drafter moved there (in place), the target read there part
-        by part as it is needed."""
+        by part as it is needed. drafter=False: the target alone where a stage needs no drafter
+        (its drafter is not loaded: a 70B-wide one is 5 GB in float16)."""
         import torch
-        m = self.models
+        m = self.models if drafter or self._models is not None else self._load_models(drafter=False)
         m.target.device = torch.device(device)
-        m.drafter.to(device)
+        if m.drafter is not None:
+            m.drafter.to(device)
         return m
 
     @property
@@ -194,23 +196,27 @@ class Build:
         part at a time: an 8B target is never in memory, models/streamed.py) and the drafter,
         loaded, with its own copy of the target's embedding when it shares it."""
         if self._models is None:
-            import torch
-
-            from ..api import Models
-            from ..checkpoints import load_drafter
-            from ..models.streamed import StreamedTarget
-            start = time.perf_counter()
-            r = self.resolved
-            dtypes = {self.cfg.precision.target.dtype, self.cfg.precision.drafter.dtype}
-            target = StreamedTarget(r["target"]["folder"], torch.float32 if "float32" in dtypes else torch.float16)
-            capture = CaptureLayers(tuple(r["capture"]["streams"]), "layer_input")
-            target.set_capture(capture)
-            drafter = load_drafter(r["drafter"]["folder"], target)
-            drafter.cfg.capture = capture
-            self._models = Models(target, drafter, r["drafter"]["label"], target.tokenizer())
-            self.say(f"  target {target.describe()}; drafter {r['drafter']['label']} loaded in "
-                     f"{time.perf_counter() - start:.1f}s")
+            self._models = self._load_models(drafter=True)
         return self._models
+
+    def _load_models(self, drafter: bool):
+        import torch
+
+        from ..api import Models
+        from ..checkpoints import load_drafter
+        from ..models.streamed import StreamedTarget
+        start = time.perf_counter()
+        r = self.resolved
+        dtypes = {self.cfg.precision.target.dtype, self.cfg.precision.drafter.dtype}
+        target = StreamedTarget(r["target"]["folder"], torch.float32 if "float32" in dtypes else torch.float16)
+        capture = CaptureLayers(tuple(r["capture"]["streams"]), "layer_input")
+        target.set_capture(capture)
+        loaded = load_drafter(r["drafter"]["folder"], target) if drafter else None
+        if loaded is not None:
+            loaded.cfg.capture = capture
+        self.say(f"  target {target.describe()}; drafter {r['drafter']['label']} "
+                 + (f"loaded in {time.perf_counter() - start:.1f}s" if drafter else "not needed here"))
+        return Models(target, loaded, r["drafter"]["label"], target.tokenizer())
 
     def release_models(self) -> None:
         """Drop the drafter (the target holds no weights); a later stage that needs them loads them again."""
@@ -236,14 +242,19 @@ class Build:
                                    f"(config.json) there")
         key = {"target": cfg.section("target"), "drafter": cfg.section("drafter"), "tree": cfg.section("tree"),
                "engines": cfg.section("engines"), "target_files": fingerprint(folder),
-               "drafter_files": fingerprint(drafter) if drafter else f"random {cfg.drafter.random_variant}"}
+               "drafter_files": fingerprint(drafter) if drafter
+               else f"random {cfg.drafter.random_variant} {cfg.precision.drafter.dtype}"}
 
         def run(tmp: Path) -> dict:
             nonlocal drafter
             label = str(drafter)
             if drafter is None:   # no trained drafter for this target: an untrained one, reproducibly
+                import torch
+
                 from ..checkpoints import random_drafter_for, save_drafter
-                d = random_drafter_for(tcfg, cfg.drafter.random_variant, draft_vocab_size=min(8192, tcfg.vocab_size))
+                # in the drafter graph's float type: a 70B-wide drafter is 9 GB in float32
+                d = random_drafter_for(tcfg, cfg.drafter.random_variant, draft_vocab_size=min(8192, tcfg.vocab_size),
+                                       dtype=getattr(torch, cfg.precision.drafter.dtype))
                 drafter = save_drafter(d, tmp / "drafter")     # the target's weights are not loaded for it
                 label = f"random {cfg.drafter.random_variant} (untrained)"
             dcfg = DrafterConfig.from_hf(read_json(drafter / "config.json"), str(drafter / "config.json"))
@@ -341,7 +352,8 @@ class Build:
         def run(tmp: Path) -> dict:
             from .quantize import quantize_graphs
             graphs = {g: self.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
-            return quantize_graphs(self.models_on(self.device), graphs, cfg, tmp, self.log, release=self.release_models)
+            models = self.models_on(self.device, drafter=cfg.precision.drafter.quantized)
+            return quantize_graphs(models, graphs, cfg, tmp, self.log, release=self.release_models)
         if skip is None:
             self.need("quantize", selected, "export")
         return self.run("quantize", selected, key, run, skip)

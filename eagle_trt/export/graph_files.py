@@ -113,7 +113,8 @@ class DataFile:
 
 
 def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path | None = None,
-               data: DataFile | None = None, share_data: bool = False) -> list[Path]:
+               data: DataFile | None = None, share_data: bool = False,
+               sources: dict[str, Path] | None = None) -> list[Path]:
     """Write `model` to `path`, with its weights in `path.data` when the graph is past the
     threshold; returns the files written (the graph first).
 
@@ -125,7 +126,8 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     data: `path.data` already open, holding tensors written as they were made (the caller closes
     it); the rest is appended. share_data: the external tensors keep their weights files, hard-
     linked beside `path` (no copy: the iteration graph reads the target graph's own weights
-    file); copied where a hard link cannot be made."""
+    file); copied where a hard link cannot be made. sources: {tensor name: folder} for external
+    tensors read from a folder other than source_dir (a graph composed of two graphs)."""
     path = Path(path)
     data_path = path.with_name(data_file_name(path))
     if data is None and data_path.exists():
@@ -134,7 +136,8 @@ def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path 
     if external or data is not None:
         own = data if data is not None else DataFile(data_path)
         try:
-            linked = _write_external_data(model, Path(source_dir) if source_dir else None, own, share_data)
+            linked = _write_external_data(model, Path(source_dir) if source_dir else None, own, share_data,
+                                          sources or {})
         finally:
             if data is None:
                 own.close()
@@ -159,26 +162,27 @@ def point_to_data(tensor: onnx.TensorProto, data: Path, offset: int, size: int) 
 
 
 def _write_external_data(model: onnx.ModelProto, source_dir: Path | None, data: DataFile,
-                         share: bool) -> list[Path]:
+                         share: bool, sources: dict[str, Path]) -> list[Path]:
     """Append every large initializer held in memory and every external tensor of `model` (read
-    from source_dir, in chunks) to `data`, and point the tensor there; with `share`, an external
-    tensor keeps its weights file where that file can be hard-linked beside `data`. Returns the
-    files linked."""
+    from its folder, sources' or source_dir, in chunks) to `data`, and point the tensor there;
+    with `share`, an external tensor keeps its weights file where that file can be hard-linked
+    beside `data`. Returns the files linked."""
     for tensor in model.graph.initializer:
         if not uses_external_data(tensor) and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
             data.append(tensor, [tensor.raw_data])
             tensor.ClearField("raw_data")
-    linked: dict[str, Path | None] = {}
+    linked: dict[Path, Path | None] = {}
     for tensor in _tensors(model):
         if not uses_external_data(tensor) or tensor.name in data.names:
             continue
+        folder = Path(sources.get(tensor.name, source_dir))
         if share:
-            location = _location(tensor, source_dir)
-            if location.name not in linked:
-                linked[location.name] = _link_beside(source_dir / location, data.path.parent)
-            if linked[location.name] is not None:
+            src = folder / _location(tensor, folder)
+            if src not in linked:
+                linked[src] = _link_beside(src, data.path.parent)
+            if linked[src] is not None:
                 continue
-        data.append(tensor, _external_blocks(tensor, source_dir))
+        data.append(tensor, _external_blocks(tensor, folder))
     return [p for p in linked.values() if p is not None]
 
 
@@ -194,15 +198,22 @@ def _link_beside(src: Path, folder: Path) -> Path | None:
         return None
 
 
-def load_weights(model: onnx.ModelProto, source_dir: str | Path) -> None:
-    """Read every external tensor of `model` (loaded with load_external_data=False from a graph in
-    source_dir) into the graph. onnx.load refuses a data file with several hard links, which is
-    how a Triton repository shares a build's graphs: this reads them as save_graph does."""
-    for tensor in _tensors(model):
-        if uses_external_data(tensor):
-            tensor.raw_data = b"".join(_external_blocks(tensor, Path(source_dir)))
-            del tensor.external_data[:]
-            tensor.data_location = onnx.TensorProto.DEFAULT
+def read_array(tensor: onnx.TensorProto, source_dir: str | Path):
+    """One float or integer tensor as a numpy array, read straight into it from its weights file
+    where it lies outside the graph (a data file with several hard links is read too)."""
+    import numpy as np
+    from onnx import numpy_helper
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    src = Path(source_dir) / _location(tensor, Path(source_dir))
+    array = np.empty(tuple(tensor.dims), dtype=helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    with open(src, "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        got = f.readinto(memoryview(array.reshape(-1)).cast("B"))
+    if got != array.nbytes or int(info.get("length", array.nbytes)) != array.nbytes:
+        raise GraphFileError(f"{src}: tensor {tensor.name!r} needs {array.nbytes} bytes, the file gives {got}")
+    return array
 
 
 def _location(tensor: onnx.TensorProto, source_dir: Path) -> Path:
@@ -298,4 +309,4 @@ def check_graph_files(path: str | Path) -> None:
 
 __all__ = ["EXTERNAL_DATA_BYTES", "DataFile", "DiskFull", "GraphFileError", "writing", "check_graph_files",
            "check_structure", "data_file_name", "external_data_threshold",
-           "external_references", "graph_files", "install_graph", "proto_bytes", "save_graph"]
+           "external_references", "graph_files", "install_graph", "proto_bytes", "read_array", "save_graph"]

@@ -45,9 +45,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import uses_external_data
 
 from ..graph_names import HANDOFF, PREFIX, VERIFY_NODES
-from .graph_files import check_graph_files, check_structure, install_graph, load_weights, save_graph
+from .graph_files import check_graph_files, check_structure, install_graph, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
 
@@ -155,21 +156,13 @@ def _copy(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     return out
 
 
-def _same_folder(a: Path, b: Path) -> bool:
-    try:
-        return a.parent.samefile(b.parent)
-    except OSError:
-        return False
-
-
 def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: str | Path,
                       tensorrt: bool = True) -> ExportedGraph:
     """Write the iteration graph of a target graph and a drafter tree graph to `path`
     (atomically; checked against TensorRT's parser op set unless `tensorrt` is False: the int8
     drafter graphs are ONNX Runtime's alone). The target's weights are read from its own weights
     file, hard-linked beside the iteration graph (copied tensor by tensor where a link cannot be
-    made: never all in memory); so are the drafter's where its graph is in the target's folder,
-    else they are loaded (a drafter is small)."""
+    made: never all in memory); so are the drafter's, from its own folder."""
     start = time.perf_counter()
     target_path, drafter_path, path = Path(target_path), Path(drafter_path), Path(path)
     for p in (target_path, drafter_path):
@@ -177,8 +170,6 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
             raise FileNotFoundError(f"{p}: ONNX graph not found")
     target = onnx.load(str(target_path), load_external_data=False)
     drafter = onnx.load(str(drafter_path), load_external_data=False)
-    if not _same_folder(drafter_path, target_path):  # its weights file can be shared only beside the target's
-        load_weights(drafter, drafter_path.parent)   # also from a repository's hard-linked data files
     t_in, t_out = _io(target.graph)
     d_in, d_out = _io(drafter.graph)
     for name in (*TARGET_FED, "past_key_0", "logits", "captured", "accept_path"):
@@ -203,6 +194,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
                                           f"other graph's {opsets[o.domain]}; export both with one eagle_trt")
     nodes = _static_dim(d_out["tree_tokens"], 1, str(drafter_path))
     onnx.compose.add_prefix(drafter, PREFIX, inplace=True)
+    # the drafter's external weights are read from its own folder (never all in memory)
+    drafter_sources = {t.name: drafter_path.parent for t in drafter.graph.initializer if uses_external_data(t)}
     _prefix_dims(drafter.graph)
     glue, consts = _glue_nodes(nodes)
     t_type, d_type = (v.type.tensor_type.elem_type for v in (t_out["captured"], d_in["captured"]))
@@ -239,7 +232,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
         # the target's weights stay in its own weights file, hard-linked beside the iteration graph
-        written = save_graph(model, tmp / path.name, source_dir=target_path.parent, share_data=True)
+        written = save_graph(model, tmp / path.name, source_dir=target_path.parent, share_data=True,
+                             sources=drafter_sources)
         ops = sorted({n.op_type for n in model.graph.node})
         del model
         check_graph_files(written[0])     # every weights file it reads there, long enough

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..export.graph_files import save_graph
 from ..models.streamed import StreamedTarget
-from ..runtime.sessions import fp8_session
+from ..parity_sessions import probe_session
 from .config import QuantError
 from .fakequant import QuantLinear, linear_paths
 from .onnx_qdq import module_for_node
@@ -114,8 +114,8 @@ def _dequantize_weights_where_used(model: onnx.ModelProto) -> None:
 
 def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[str, np.ndarray], threads: int = 1
                  ) -> list[LayerParity]:
-    """Run the quantized graph once (ONNX Runtime as fp8_session runs it for FP8, onnx.reference
-    for NVFP4), exposing every quantized MatMul's float input and output, and compare each
+    """Run the quantized graph once (ONNX Runtime for FP8, unoptimized, its weights fed as memory
+    maps: parity_sessions.probe_session; onnx.reference for NVFP4), exposing every quantized MatMul's float input and output, and compare each
     output with the reference model's QuantLinear of the same module applied to that input
     (a fake-quant StreamedTarget's, one part at a time)."""
     model = onnx.load(str(graph), load_external_data=False)    # the weights stay in the graph's data file
@@ -142,7 +142,7 @@ def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[
         _dequantize_weights_where_used(model)
         with tempfile.TemporaryDirectory(prefix="layer-parity-") as tmp:
             probe = save_graph(model, Path(tmp) / "probe.onnx", source_dir=Path(graph).parent, share_data=True)[0]
-            values = dict(zip(names, fp8_session(probe, threads, fold_weights=False).run(names, feeds)))
+            values = dict(zip(names, probe_session(probe, threads).run(names, feeds)))
     by_path: dict[str, list] = {}       # module path -> its (MatMul, quantizer) pairs
     for node, quantizer in pairs:
         path = module_for_node(node.name, layers)

@@ -36,7 +36,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..export.graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, install_graph, save_graph
+from ..export.graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, install_graph, read_array, save_graph
 from ..export.opcheck import check_graph
 from .config import QuantConfig, QuantError
 from .fakequant import check_amax
@@ -180,7 +180,8 @@ class _Rewriter:
             return self.weights[key]
         init = self.inits[init_name]
         graph_dtype = FLOAT_TYPES[init.data_type]
-        w = torch.from_numpy(numpy_helper.to_array(init, self.base_dir).copy()).float()
+        array = read_array(init, self.base_dir)       # also from a weights file with several hard links
+        w = torch.from_numpy(array if array.flags.writeable else array.copy()).float()
         w = w if transposed else w.T                                        # [out, in], as nn.Linear
         dims = [w.shape[1], w.shape[0]]                                      # the MatMul's [in, out]
         base = init_name.replace(":", "_") + ("_transposed" if transposed else "")

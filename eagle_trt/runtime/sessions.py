@@ -73,14 +73,12 @@ def make_session(path: str | Path, threads: int | None = None,
 FP8_SESSION = {"level": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, "config": {"session.disable_quant_qdq": "1"}}
 
 
-def fp8_session(path: str | Path, threads: int | None = 1, fold_weights: bool = True) -> ort.InferenceSession:
-    """A CPU session for a one-off run of an FP8 (or float) graph file. fold_weights=False: no
-    graph optimization, so each weight is dequantized when its MatMul runs and freed after it,
-    instead of all held as float32 initializers (a real-size target: the layer parity check).
-    Its workers keep spinning between calls (ONNX Runtime's default: no call alternates with
-    another session's)."""
-    level = FP8_SESSION["level"] if fold_weights else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return make_session(path, threads, level=level, config=FP8_SESSION["config"], spin="always")
+def fp8_session(path: str | Path, threads: int | None = 1) -> ort.InferenceSession:
+    """A CPU session for a one-off run of an FP8 (or float) graph file, its weights' dequantization
+    folded (a real-size target's layer check runs it unoptimized instead, its weights fed as
+    memory maps: parity_sessions.probe_session). Its workers keep spinning between calls (ONNX
+    Runtime's default: no call alternates with another session's)."""
+    return make_session(path, threads, level=FP8_SESSION["level"], config=FP8_SESSION["config"], spin="always")
 
 
 __all__ = ["FP8_SESSION", "PROVIDERS", "SPIN_MODES", "fp8_session", "make_session"]
