@@ -72,7 +72,7 @@ def _decoding(sampling: SamplingConfig | None) -> str:
 
 def format_table(results: list[dict]) -> str:
     head = (f"{'workload':<10}{'ctx':>6}{'HF tok/s':>10}{'AR tok/s':>10}{'spec tok/s':>11}{'accept':>8}"
-            f"{'vs AR':>7}{'vs HF':>7}{'drafter':>9}{'target':>8}{'1 call':>8}{'host':>7}{'same':>7}")
+            f"{'vs AR':>7}{'vs HF':>7}{'drafter':>9}{'target':>8}{'1 call':>8}{'host':>7}{'same':>7}{'spec=AR':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         m, s = r["modes"], r["time_split"]
@@ -81,7 +81,8 @@ def format_table(results: list[dict]) -> str:
                      f"{r['mean_accept_length']:>8.2f}{r['speedup_vs_autoregressive']:>6.2f}x"
                      f"{r['speedup_vs_transformers']:>6.2f}x{s['drafter_graph']:>9.1%}{s['target_graph']:>8.1%}"
                      f"{s.get('iteration_graph', 0.0):>8.1%}"
-                     f"{s['host']:>7.1%}{_same(r['identical_outputs'], r['prompts'])}")
+                     f"{s['host']:>7.1%}{_same(r['identical_outputs'], r['prompts'])}"
+                     f"{_same(r.get('speculative_equals_autoregressive'), r['prompts']):>8}")
     head = (f"{'workload':<10}{'AR step':>9}{'draft':>8}{'verify':>8}{'1 call':>8}{'host':>7}{'iteration':>11}"
             f"{'break-even':>12}{'for 1.8x':>10}{'measured':>10}")
     lines += ["", "where the time goes (ms per call; '1 call': drafting and verification in the iteration graph, "
@@ -184,6 +185,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the ONNX Runtime drafter graph's weights: int8 (the default, and what the build's Triton "
                         "repository serves: per-channel int8 MatMul weights, a quarter of the bytes a memory-bound "
                         "drafter call streams; the output stays the target's) or float32 (the exported graph)")
+    p.add_argument("--target-weights", choices=("float32", "int4"), default="float32",
+                   help="the ONNX Runtime target graph's weights: float32 (the exported graph) or int4 (4-bit "
+                        "MatMulNBits blocks of 32, made by ONNX Runtime's quantizer: export/cpu_int4.py; plain and "
+                        "speculative rows both run it, and 'same' compares them with each other, not transformers)")
     add_device_options(p)
     p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
                    help="ONNX Runtime speculative decoding with drafting and verification in one graph call (the "
@@ -318,8 +323,8 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     """The CPU comparison (bench_rows.run_workload) per workload, after the tree sweep; then
     --concurrency on the same graphs."""
     threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
-    graphs = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=("target",))
-    target_graph = graphs["target"]
+    target_name = {"float32": "target", "int4": "target_int4"}[args.target_weights]
+    target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
                            threads=threads).target
     tree_sweep = []
@@ -361,13 +366,14 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
                                              plain_target=ort.plain, iteration=ort.backends.iteration)
     report = {"target": str(f32.target.folder), "drafter": f32.drafter_source,
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
-              "drafter_weights": args.drafter_weights, "iteration_graph": ort.backends.iteration is not None,
+              "drafter_weights": args.drafter_weights, "target_weights": args.target_weights,
+              "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
               "tree": [shape.depth, shape.top_k, shape.total_tokens],
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{report['drafter_variant']} drafter ({args.drafter_weights} weights"
+    print(f"\n{args.target_weights} target, {report['drafter_variant']} drafter ({args.drafter_weights} weights"
           f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")

@@ -161,7 +161,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
     peer_rows = {peer.label: {"tokens": 0, "seconds": 0.0, "identical_to_autoregressive": 0} for peer in peers}
     split = {role: 0.0 for role in ort.sessions}      # seconds inside each session's calls
     calls = {"autoregressive": 0, "drafter": 0, "verify": 0}
-    accepts, identical = [], 0
+    accepts, identical, lossless = [], 0, 0
     for i, ids in enumerate(prompts):
         how = replace(sampling, seed=i) if sampling is not None else None
         hf_run = hf.generate(ids, max_new_tokens, how)
@@ -180,6 +180,7 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
         rows["speculative"]["seconds"] += sp.seconds
         accepts += sp.accept_lengths
         identical += sp.tokens == ar.tokens == hf_tokens
+        lossless += sp.tokens == ar.tokens
         peer_rates = ""
         for peer in peers:
             run = min((peer.generate(ids, max_new_tokens, how) for _ in range(repeats)), key=lambda r: r["seconds"])
@@ -216,7 +217,9 @@ def run_workload(name: str, prompts: list[list[int]], hf: Transformers, ort: Ort
             "speedup_vs_autoregressive": rows["speculative"]["tokens_per_second"] / rows["autoregressive"]["tokens_per_second"],
             "speedup_vs_transformers": rows["speculative"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"],
             "time_split": dict({k: v / spec_s for k, v in split.items()}, host=1 - sum(split.values()) / spec_s),
-            "cost": cost, "identical_outputs": identical if sampling is None else None, "peers": peer_rows,
+            "cost": cost, "identical_outputs": identical if sampling is None else None,
+            # the graphs' speculative output against their own plain decoding (a 4-bit target's is not transformers')
+            "speculative_equals_autoregressive": lossless if sampling is None else None, "peers": peer_rows,
             "peak_rss_gb": peak_rss_gb()}
 
 

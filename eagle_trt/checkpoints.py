@@ -220,6 +220,28 @@ def check_drafter_fits(dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
         raise CheckpointError(f"{exc} ({tcfg.source} has num_hidden_layers {tcfg.num_hidden_layers})") from None
 
 
+def check_drafter_files(folder: str | Path, dcfg: DrafterConfig) -> TensorFiles:
+    """The drafter checkpoint's tensors checked against its config from the files' headers alone
+    (nothing read: a 70B-wide drafter's weights are gigabytes): each missing, unexpected or
+    mis-shaped tensor named as the file names it. The build's validate stage runs it, so a
+    drafter made for another target is refused before any stage writes anything."""
+    files = TensorFiles(folder)
+    names = {_canonical_drafter_key(k): k for k in files.entries}
+    with parameters_on_meta():
+        drafter = EagleDrafter(dcfg)
+    if dcfg.draft_vocab_size == dcfg.vocab_size:
+        optional = ("d2t", "t2d")        # identity maps may be absent for a full vocabulary
+    else:
+        optional = ("t2d",)              # t2d is derivable from d2t (ModelOpt omits it)
+        if "d2t" not in names:
+            raise CheckpointError(f"{files.source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
+                                  f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
+    # EAGLE drafters share (freeze) the target's embedding: the table is optional
+    check_shapes({k: tuple(v.shape) for k, v in drafter.state_dict().items()},
+                 {k: files.shape(v) for k, v in names.items()}, files.source, optional + ("embed_tokens.weight",), names)
+    return files
+
+
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> EagleDrafter:
     """The drafter at `path`, fitted to `target` (a LoadedTarget, or a StreamedTarget: then a
     drafter that shares the target's embedding gets its own copy, read from the target's files),
@@ -230,25 +252,16 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None) -> 
         raise CheckpointError(f"{folder}: drafter checkpoint folder not found")
     dcfg = DrafterConfig.from_hf(read_json(cfg_path), str(cfg_path))
     check_drafter_fits(dcfg, target.config)
-    tensors, source = read_state_dict(folder)
-    tensors, origin = rename_tensors(tensors, _canonical_drafter_key)
+    files = check_drafter_files(folder, dcfg)
+    tensors, origin = rename_tensors({name: files.read(name) for name in files.entries}, _canonical_drafter_key)
+    source = files.source
     with parameters_on_meta():        # no random init of weights the file replaces (an 8B vocabulary's table)
         drafter = EagleDrafter(dcfg)
     streamed = hasattr(target, "read")     # a StreamedTarget: its device and dtype
     if "embed_tokens.weight" not in tensors:   # EAGLE drafters share (freeze) the target's embedding
         drafter.embed_tokens.weight = _target_embedding(target, streamed)
         drafter.embed_shared = True
-    elif tuple(tensors["embed_tokens.weight"].shape) != (dcfg.vocab_size, dcfg.hidden_size):
-        raise CheckpointError(f"{source}: tensor '{origin['embed_tokens.weight']}' has shape {tuple(tensors['embed_tokens.weight'].shape)}, "
-                              f"expected ({dcfg.vocab_size}, {dcfg.hidden_size})")
-    if dcfg.draft_vocab_size == dcfg.vocab_size:
-        optional_maps = ("d2t", "t2d")   # identity maps may be absent for a full vocabulary
-    else:
-        optional_maps = ("t2d",)         # t2d is derivable from d2t (ModelOpt omits it)
-        if "d2t" not in tensors:
-            raise CheckpointError(f"{source}: draft_vocab_size {dcfg.draft_vocab_size} < vocab_size "
-                                  f"{dcfg.vocab_size} but the checkpoint has no 'd2t' tensor")
-    optional = optional_maps + (("embed_tokens.weight",) if drafter.embed_shared else ())
+    optional = ("d2t", "t2d") + (("embed_tokens.weight",) if drafter.embed_shared else ())   # checked above
     want = dtype or (target.dtype if streamed else target.model.embed_tokens.weight.dtype)
     _assign_weights(drafter, tensors, want, source, optional, origin)
     _check_d2t(drafter, source)

@@ -103,3 +103,27 @@ def test_a_full_disk_in_the_middle_of_the_export_names_the_file_and_the_rerun_re
     build(load_config(cfg), out, ["export"], log=None)
     assert statuses(out)["validate"] == "cached" and statuses(out)["export"] == "ran"
     assert (out / "export" / "target.onnx.data").stat().st_size > 400_000
+
+
+def test_a_drafter_made_for_another_target_is_refused_at_validate_naming_the_tensor(sharded, tmp_path):
+    """A drafter checkpoint whose tensors do not fit the target (its config claims the target's
+    width, one tensor is another width) stops the build at validate, from the files' headers,
+    with one line naming the file and the tensor: no stage writes anything."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from eagle_trt.checkpoints import TargetConfig, random_drafter_for, save_drafter
+    from eagle_trt.config import read_json
+    tcfg = TargetConfig.from_hf(read_json(sharded / "config.json"), str(sharded / "config.json"))
+    drafter = save_drafter(random_drafter_for(tcfg, draft_vocab_size=48), tmp_path / "drafter")
+    tensors = load_file(str(drafter / "model.safetensors"))
+    up = tensors["midlayer.mlp.up_proj.weight"]
+    tensors["midlayer.mlp.up_proj.weight"] = torch.zeros(up.shape[0], up.shape[1] * 2)      # another width's
+    save_file(tensors, str(drafter / "model.safetensors"))
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "bad.yaml", tiny_config(sharded, drafter={"source": str(drafter)}))
+    last = one_line_error(run_cli("--config", str(cfg), "--output", str(out)))
+    assert str(drafter / "model.safetensors") in last and "'midlayer.mlp.up_proj.weight'" in last, last
+    assert f"{tuple(up.shape[:1]) + (up.shape[1] * 2,)}" in last and f"{tuple(up.shape)}" in last, last
+    written = [p.name for p in out.iterdir()] if out.exists() else []
+    assert not any(p in written for p in ("validate", "export", "quantize", "parity", "triton")), written

@@ -227,7 +227,7 @@ class Build:
 
     def validate(self, selected: bool) -> StageResult:
         from ..api import default_drafter_path
-        from ..checkpoints import check_drafter_fits, resolve_target
+        from ..checkpoints import check_drafter_files, check_drafter_fits, resolve_target
         cfg = self.cfg
         folder = resolve_target(cfg.target.source)
         # every weights file read as far as its header: a missing or truncated shard, or a tensor
@@ -259,6 +259,7 @@ class Build:
                 label = f"random {cfg.drafter.random_variant} (untrained)"
             dcfg = DrafterConfig.from_hf(read_json(drafter / "config.json"), str(drafter / "config.json"))
             check_drafter_fits(dcfg, tcfg)
+            check_drafter_files(drafter, dcfg)     # its tensors' shapes, from the headers
             capture = self._capture(dcfg, tcfg)
             try:
                 cfg.tree.shape.validate(dcfg.draft_vocab_size)

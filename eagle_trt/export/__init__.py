@@ -1,6 +1,6 @@
 """ONNX exporters: the target graph, the drafter graph with the draft tree baked in, and
-single-step drafter graphs; plus the TensorRT op-set check and the int8-weight copy of the
-drafter tree graph for ONNX Runtime on the CPU (cpu_int8.py)."""
+single-step drafter graphs; plus the TensorRT op-set check, and for ONNX Runtime on the CPU the
+int8-weight copy of the drafter tree graph (cpu_int8.py) and the 4-bit target (cpu_int4.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +15,7 @@ import torch
 
 from ..codehash import code_digest
 from ..config import TreeShape
+from .cpu_int4 import quantize_int4
 from .cpu_int8 import quantize_int8
 from .iteration import ITERATION_FORMAT, compose_iteration
 from .onnx_export import ExportedGraph, export_drafter_step, export_drafter_tree, export_target
@@ -33,6 +34,7 @@ __all__ = ["GRAPH_FORMAT", "ExportedGraph", "UnsupportedGraph", "check_graph", "
 GRAPH_FORMAT = 8
 # The code each kind of graph is made by: its hash is part of every cached graph's key (codehash.py)
 EXPORTER, INT8_WEIGHTS, COMPOSER = "eagle_trt.export.onnx_export", "eagle_trt.export.cpu_int8", "eagle_trt.export.iteration"
+INT4_WEIGHTS = "eagle_trt.export.cpu_int4"
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -55,10 +57,10 @@ def _files_stamp(folder: Path, name: str | None = None) -> list:
             if f.is_file() and name in (None, f.name)]
 
 
-def _quantized_int8(src: Path, dst: Path) -> ExportedGraph:
-    """The int8-weight copy of a graph (cpu_int8.py), with its time and ops for the log."""
+def _quantized(quantize, src: Path, dst: Path) -> ExportedGraph:
+    """The int8- or int4-weight copy of a graph (cpu_int8.py, cpu_int4.py), with its time and ops for the log."""
     start = time.perf_counter()
-    quantize_int8(src, dst)
+    quantize(src, dst)
     model = onnx.load(str(dst), load_external_data=False)
     return ExportedGraph(dst, time.perf_counter() - start, sorted({n.op_type for n in model.graph.node}))
 
@@ -72,7 +74,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
                     target_graph: Path | None = None) -> dict[str, Path]:
     """Export target (with greedy acceptance) + drafter-tree graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
-    may name `drafter_tree_int8` (the tree graph with int8 weights) and `iteration` /
+    may name `drafter_tree_int8` (the tree graph with int8 weights), `target_int4` (the target
+    graph with 4-bit weights) and `iteration` /
     `iteration_int8` (target and drafter tree graph composed into one, export/iteration.py;
     with the target graph at `target_graph` where given, else out_dir's), made only when asked for.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
@@ -92,10 +95,15 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     iterations = [(n, d) for n, d in ITERATION_GRAPHS.items() if only is not None and n in only]
     for name, drafter in iterations:     # asked for only: the two graphs composed (export/iteration.py)
         only = (*only, drafter) + (("target",) if target_graph is None else ())
+    if only is not None and "target_int4" in only:
+        # asked for only: the target graph with 4-bit MatMulNBits weights, for ONNX Runtime on the CPU (cpu_int4.py)
+        jobs["target_int4"] = (dict(base, weights="int4", int4_code=code_digest(INT4_WEIGHTS)),
+                               lambda p: _quantized(quantize_int4, out_dir / "target.onnx", p))
+        only = (*only, "target")     # quantized from it
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8", int8_code=code_digest(INT8_WEIGHTS)),
-                                     lambda p: _quantized_int8(out_dir / "drafter_tree.onnx", p))
+                                     lambda p: _quantized(quantize_int8, out_dir / "drafter_tree.onnx", p))
         only = (*only, "drafter_tree")     # quantized from it
     target_path = Path(target_graph) if target_graph is not None else out_dir / "target.onnx"
     for name, drafter in iterations:

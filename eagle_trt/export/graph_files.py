@@ -198,6 +198,17 @@ def _link_beside(src: Path, folder: Path) -> Path | None:
         return None
 
 
+def load_weights(model: onnx.ModelProto, source_dir: str | Path) -> None:
+    """Read every external tensor of `model` (loaded with load_external_data=False from a graph in
+    source_dir) into the graph. onnx.load refuses a data file with several hard links, which is
+    how a Triton repository shares a build's graphs: this reads them as save_graph does."""
+    for tensor in _tensors(model):
+        if uses_external_data(tensor):
+            tensor.raw_data = b"".join(_external_blocks(tensor, Path(source_dir)))
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+
+
 def read_array(tensor: onnx.TensorProto, source_dir: str | Path):
     """One float or integer tensor as a numpy array, read straight into it from its weights file
     where it lies outside the graph (a data file with several hard links is read too)."""

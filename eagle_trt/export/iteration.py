@@ -48,6 +48,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from ..graph_names import HANDOFF, PREFIX, VERIFY_NODES
+
+ORT_CONTRIB = "com.microsoft"     # ONNX Runtime's contrib operators' domain (MatMulNBits)
 from .graph_files import check_graph_files, check_structure, install_graph, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
@@ -225,8 +227,8 @@ def compose_iteration(target_path: str | Path, drafter_path: str | Path, path: s
     model.opset_import.extend(helper.make_opsetid(d, v) for d, v in opsets.items())
     model.ir_version, model.producer_name, model.doc_string = ir_version, "eagle_trt", __doc__.split("\n\n")[0]
     del target, drafter
-    if tensorrt:
-        check_graph(model, str(path))
+    if tensorrt and not any(o.domain == ORT_CONTRIB for o in model.opset_import):
+        check_graph(model, str(path))     # (a graph of ONNX Runtime's contrib ops, the 4-bit target, is its alone)
     check_structure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
