@@ -302,6 +302,42 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
             stream.close()
 
 
+def test_int4_repository_streams_the_offline_int4_tokens(tmp_path):
+    """A build with the 4-bit MatMulNBits target (precision.target.format int4) served by a real
+    tritonserver: the stream equals the offline speculative decoding of the repository's own
+    graphs (the int4 target composed with the int8 drafter), which equals their greedy decoding."""
+    import json
+
+    from test_build_support import tiny_config, write_tiny_target
+
+    from eagle_trt.build import build, config_from_dict
+    from eagle_trt.build.triton import served_graphs
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
+
+    data = tiny_config(write_tiny_target(tmp_path / "target"), parity={"enabled": False},
+                       precision={"target": {"format": "int4"}})
+    cfg = config_from_dict(data, "tiny int4")
+    m = build(cfg, tmp_path / "out", log=None)
+    settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
+    assert settings["precision"] == {"target": "int4", "drafter_tree": "int8"} and "iteration" in settings["graphs"]
+    graphs = served_graphs(m.artifact("triton"), MODEL)
+    opened = open_backends(graphs, cfg.tree.shape, settings["max_context"], threads=1, precision=settings["precision"])
+    eos = settings["eos_ids"]
+    prompt = list(range(5, 25))
+    expected = DecodingLoop(opened.engine(), eos).generate(prompt, 8).tokens
+    assert expected == DecodingLoop(TwoCallEngine(opened.target), eos).generate(prompt, 8).tokens
+    with LocalTriton(m.artifact("triton")) as server:
+        stream = Stream(server)
+        try:
+            stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
+            pieces, _, error = stream.collect()
+            assert error is None and flat(pieces) == expected
+        finally:
+            stream.close()
+
+
 def test_torch_runtime_streams_the_offline_tokens(built, offline, tmp_path):
     """serving.runtime torch: the repository carries the checkpoints and the model runs the
     fixed-shape loop of runtime/static.py (on this CPU without capture), only the triton stage

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from ..config import ConfigError, TreeShape
 
-Precision = Literal["fp32", "fp16", "fp8", "nvfp4"]
+Precision = Literal["fp32", "fp16", "fp8", "nvfp4", "int4"]
 DTYPE_OF = {"fp32": "float32", "fp16": "float16"}
 
 
@@ -74,7 +74,9 @@ class TreeSection:
 class ModelPrecision:
     """fp32 / fp16: a float graph of that type. fp8 / nvfp4: Q/DQ graphs (eagle_trt.quant) whose
     unquantized parts are `base`; `per_channel` (FP8 weight scales) and `skip` (glob patterns
-    on module paths left unquantized) are passed to the quantizer unchanged."""
+    on module paths left unquantized) are passed to the quantizer unchanged. int4 (the target
+    only): the fp32 graph with 4-bit weight-only MatMulNBits for ONNX Runtime on a CPU
+    (export/cpu_int4.py; no calibration, no TensorRT engines)."""
     format: Precision = "fp32"
     base: Literal["fp32", "fp16"] = "fp16"
     per_channel: bool = True
@@ -85,9 +87,14 @@ class ModelPrecision:
         return self.format in ("fp8", "nvfp4")
 
     @property
+    def weight_only(self) -> bool:
+        """ONNX Runtime's 4-bit weight-only form of the fp32 graph (not a Q/DQ graph)."""
+        return self.format == "int4"
+
+    @property
     def dtype(self) -> str:
         """The float type of the exported graph."""
-        return DTYPE_OF[self.base if self.quantized else self.format]
+        return "float32" if self.weight_only else DTYPE_OF[self.base if self.quantized else self.format]
 
     @property
     def ort_float32(self) -> bool:
@@ -256,6 +263,12 @@ class BuildConfig:
             raise BuildConfigError(f"{source}: serving.iteration_graph: on needs float graphs, but precision."
                                    f"{fp8[0]} is fp8 (ONNX Runtime runs FP8 graphs with settings of their own); "
                                    f"use auto or off")
+        if self.precision.drafter.weight_only:
+            raise BuildConfigError(f"{source}: precision.drafter.format: int4 is a target format (the drafter's "
+                                   f"CPU form is serving.drafter_weights: int8); use fp32, fp16, fp8 or nvfp4")
+        if self.precision.target.weight_only and self.serving.runtime == "torch":
+            raise BuildConfigError(f"{source}: precision.target.format: int4 runs on ONNX Runtime only, but "
+                                   f"serving.runtime is torch (the PyTorch checkpoints); use serving.runtime: onnxruntime")
         for name in ("target", "drafter"):
             p = getattr(self.precision, name)
             if not p.quantized and p.skip != ModelPrecision.skip:

@@ -345,7 +345,7 @@ class Build:
     def quantize(self, selected: bool) -> StageResult:
         cfg = self.cfg
         fmts = {n: getattr(cfg.precision, n).format for n in ("target", "drafter")}
-        skip = None if any(getattr(cfg.precision, n).quantized for n in fmts) else \
+        skip = None if any(getattr(cfg.precision, n).quantized for n in fmts) or cfg.precision.target.weight_only else \
             f"precision is target {fmts['target']}, drafter {fmts['drafter']}: nothing to quantize"
         key = {"upstream": self.upstream("quantize"), "precision": cfg.section("precision"),
                "calibration": cfg.section("calibration"), "tree": cfg.section("tree"), "device": self.device.type}
@@ -353,7 +353,8 @@ class Build:
         def run(tmp: Path) -> dict:
             from .quantize import quantize_graphs
             graphs = {g: self.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
-            models = self.models_on(self.device, drafter=cfg.precision.drafter.quantized)
+            models = self.models_on(self.device, drafter=cfg.precision.drafter.quantized) \
+                if any(getattr(cfg.precision, n).quantized for n in fmts) else None     # int4 alone: no calibration
             return quantize_graphs(models, graphs, cfg, tmp, self.log, release=self.release_models)
         if skip is None:
             self.need("quantize", selected, "export")
@@ -366,7 +367,8 @@ class Build:
         for model, graph in (("target", "target"), ("drafter", "drafter_tree")):
             p = getattr(self.cfg.precision, model)
             q = self.results["quantize"]
-            usable = p.quantized and q.status in ("ran", "cached") and not (purpose == "onnxruntime" and p.format == "nvfp4")
+            usable = (p.quantized or p.weight_only) and q.status in ("ran", "cached") \
+                and not (purpose == "onnxruntime" and p.format == "nvfp4")
             out[graph] = self.path("quantize", f"{graph}.{p.format}.onnx") if usable else self.path("export", f"{graph}.onnx")
         return out
 
@@ -416,7 +418,11 @@ class Build:
     def engines(self, selected: bool) -> StageResult:
         from .engines import build_engines, tensorrt_status
         cfg = self.cfg
-        trt, why = tensorrt_status() if cfg.engines.enabled else (None, "engines.enabled is false in the config")
+        if cfg.precision.target.weight_only:     # ONNX Runtime's MatMulNBits: no TensorRT form
+            trt, why = None, "precision.target.format int4 is ONNX Runtime's 4-bit form (MatMulNBits); TensorRT engines " \
+                             "take fp32, fp16, fp8 or nvfp4"
+        else:
+            trt, why = tensorrt_status() if cfg.engines.enabled else (None, "engines.enabled is false in the config")
         if trt is None and self.require_tensorrt:
             raise BuildError(f"--require-tensorrt: cannot build engines: {why}")
         graphs = self.graphs_for("tensorrt") if trt is not None else {}
@@ -446,7 +452,7 @@ class Build:
 
         def run(tmp: Path) -> dict:
             plans = {n: self.path("engines", f"{n}.plan") for n in ("target", "drafter_tree")} if engines else None
-            precision = {g: ("fp8" if ".fp8." in p.name else "float") for g, p in graphs.items()}
+            precision = {g: next((f for f in ("fp8", "int4") if f".{f}." in p.name), "float") for g, p in graphs.items()}
             return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log, drafter_int8=int8,
                                     iteration_graph=iteration)
         return self.run("triton", selected, key, run, skip)

@@ -19,7 +19,7 @@ def quant_config(p: ModelPrecision, source: str):
 def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path, log=None,
                     release=None) -> dict:
     """Write `<model>.<format>.onnx` and `<model>.amax.json` into `out` for each model whose
-    precision is fp8 / nvfp4; returns {model: summary}. `graphs` maps 'target' /
+    precision is fp8 / nvfp4 (and `target.int4.onnx` for an int4 target); returns {model: summary}. `graphs` maps 'target' /
     'drafter_tree' to the float graphs of the export stage. Every model is calibrated first;
     then `release()` (when given) drops the PyTorch models. A StreamedTarget (the build's) is
     calibrated part by part, every prompt through each part in turn."""
@@ -34,7 +34,17 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     )
     todo = [(name, graph) for name, graph in (("target", "target"), ("drafter", "drafter_tree"))
             if getattr(cfg.precision, name).quantized]
-    progress = Progress("quantize", 2 * len(todo), log)
+    int4 = cfg.precision.target.weight_only
+    progress = Progress("quantize", 2 * len(todo) + int4, log)
+    summaries = {}
+    if int4:     # weight-only: no calibration (export/cpu_int4.py)
+        from ..export.cpu_int4 import quantize_int4
+        counts = quantize_int4(graphs["target"], out / "target.int4.onnx")
+        summaries["target"] = {"graph": "target.int4.onnx", "format": "int4", "quantized": counts["int4_matmuls"],
+                               "block_size": counts["block_size"]}
+        progress.step(f"target.int4.onnx: {counts['int4_matmuls']} MatMuls in 4-bit blocks of {counts['block_size']}")
+        if not todo:
+            return summaries
     prompts = calibration_prompts(models.tokenizer, cfg.calibration.prompts, cfg.calibration.max_tokens,
                                   Path(cfg.calibration.path) if cfg.calibration.path else None)
     ids = [p for _, p in prompts]
@@ -55,7 +65,6 @@ def quantize_graphs(models, graphs: dict[str, Path], cfg: BuildConfig, out: Path
     del models, module, target
     if release is not None:
         release()
-    summaries = {}
     for name, graph in todo:
         precision = getattr(cfg.precision, name)
         amax, calib, paths = calibrated[name]
