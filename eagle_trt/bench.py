@@ -168,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one for smollm2)")
     p.add_argument("--onnx-dir", type=Path, default=None, help="graphs folder (exported there if missing)")
+    p.add_argument("--build", type=Path, default=None, help="a python -m eagle_trt.build output folder: measure the "
+                   "graphs its Triton repository serves (its tree, drafter weights and iteration graph), with its "
+                   "target and drafter (what make demo reports) instead of exporting graphs")
     p.add_argument("--workloads", default="mtbench,humaneval,long-2k")
     p.add_argument("--prompts", type=int, default=20, help="prompts per workload (long context: at most 3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -240,6 +243,9 @@ def main(argv=None) -> int:
         if sampling is not None and levels:
             raise ConfigError(f"--concurrency measures greedy decoding (its rows compare outputs with one stream's): "
                               f"drop --temperature {args.temperature} or run it without --concurrency")
+        built = served_build(args) if args.build is not None else None
+        if built is not None:
+            shapes = [built["shape"]]
         if args.threads:
             torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
@@ -279,7 +285,7 @@ def main(argv=None) -> int:
         report = _rows(args, models, measured, shapes, [p for w in names for p in prompts[w]], sweep[0], held, levels,
                        sampling, dtype, capacity)
     else:
-        report = _compare(args, f32, folder, prompts, sweep, held, levels, sampling, shapes, device, dtype)
+        report = _compare(args, f32, folder, prompts, sweep, held, levels, sampling, shapes, device, dtype, built)
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "bench.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
@@ -318,15 +324,43 @@ def _rows(args, models, rows: list, shapes: list[TreeShape], prompts: list[list[
             "trees": [[s.depth, s.top_k, s.total_tokens] for s in shapes], "rows": summary, "concurrency": concurrent}
 
 
+def served_build(args) -> dict:
+    """--build DIR: the graphs DIR's Triton repository serves on ONNX Runtime, its tree and
+    precision, and its target and drafter folders (set as --target / --drafter)."""
+    from .build.triton import served_graphs
+    out = Path(args.build)
+    resolved_path, repository = out / "validate" / "resolved.json", out / "triton"
+    settings_files = sorted(repository.glob("*/1/eagle.json"))
+    if not resolved_path.is_file() or len(settings_files) != 1:
+        raise ConfigError(f"--build {out}: not a python -m eagle_trt.build output with one Triton model "
+                          f"(validate/resolved.json and triton/<model>/1/eagle.json)")
+    settings = json.loads(settings_files[0].read_text())
+    graphs = served_graphs(repository, settings_files[0].parent.parent.name)
+    if graphs is None:
+        raise ConfigError(f"--build {out}: its repository serves TensorRT engines, not ONNX graphs")
+    resolved = json.loads(resolved_path.read_text())
+    spec = resolved["target"]["spec"]          # "smollm2" keeps bench's peers (its shipped Q4_1 file)
+    args.target = spec if spec == "smollm2" else resolved["target"]["folder"]
+    args.drafter = resolved["drafter"]["folder"]
+    if args.iteration_graph == "off":
+        graphs.pop("iteration", None)
+    return {"graphs": graphs, "shape": TreeShape(*settings["tree"]), "precision": settings["precision"]}
+
+
 def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], held: tuple, levels: list[int],
-             sampling: SamplingConfig | None, shapes: list[TreeShape], device, dtype: str) -> dict:
+             sampling: SamplingConfig | None, shapes: list[TreeShape], device, dtype: str,
+             built: dict | None = None) -> dict:
     """The CPU comparison (bench_rows.run_workload) per workload, after the tree sweep; then
-    --concurrency on the same graphs."""
+    --concurrency on the same graphs. built: served_build's (the graphs of a build's repository)."""
     threads = ort_threads(args.threads or None)      # explicit, as every timed session (runtime/timing.py)
-    target_name = {"float32": "target", "int4": "target_int4"}[args.target_weights]
-    target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
+    precision = built["precision"] if built else None
+    if built:
+        target_graph = built["graphs"]["target"]
+    else:
+        target_name = {"float32": "target", "int4": "target_int4"}[args.target_weights]
+        target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
-                           threads=threads).target
+                           threads=threads, precision=precision).target
     tree_sweep = []
     if len(shapes) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts, shapes taking turns, fastest of "
@@ -335,11 +369,14 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
                                  args.drafter_weights, args.repeats)
     shape = TreeShape(*tree_sweep[0]["tree"]) if tree_sweep else shapes[0]
     eos, vocab = f32.eos_ids, f32.target.config.vocab_size
-    served = {"target": target_graph, "drafter_tree": drafter_graph(f32, shape, folder, args.drafter_weights)}
-    if args.iteration_graph == "on":
-        served["iteration"] = iteration_graph(f32, shape, folder, target_graph, args.drafter_weights)
+    if built:
+        served = built["graphs"]
+    else:
+        served = {"target": target_graph, "drafter_tree": drafter_graph(f32, shape, folder, args.drafter_weights)}
+        if args.iteration_graph == "on":
+            served["iteration"] = iteration_graph(f32, shape, folder, target_graph, args.drafter_weights)
     ort = OrtDecoding.open(served, shape, f32.target.config.max_position_embeddings, eos, vocab, threads,
-                           target=target)
+                           target=target, precision=precision)
     hf = Transformers("transformers", f32.target.folder, device, torch_dtype(dtype), eos) if prompts else None
     warm = sweep[0]                                  # first-call allocations stay out of the numbers
     ort.warm_up(warm)
@@ -366,14 +403,16 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
                                              plain_target=ort.plain, iteration=ort.backends.iteration)
     report = {"target": str(f32.target.folder), "drafter": f32.drafter_source,
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
-              "drafter_weights": args.drafter_weights, "target_weights": args.target_weights,
+              "drafter_weights": built["precision"].get("drafter_tree") if built else args.drafter_weights,
+              "target_weights": built["precision"].get("target") if built else args.target_weights,
+              "build": str(args.build) if built else None,
               "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
               "tree": [shape.depth, shape.top_k, shape.total_tokens],
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{args.target_weights} target, {report['drafter_variant']} drafter ({args.drafter_weights} weights"
+    print(f"\n{report['target_weights']} target, {report['drafter_variant']} drafter ({report['drafter_weights']} weights"
           f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")

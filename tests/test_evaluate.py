@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +233,28 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
     assert order == ["autoregressive", "speculative", "speculative", "autoregressive", "autoregressive", "speculative"]
     assert (spec.seconds, ar.seconds) == (0.8, 2.0)
     assert graph_s == pytest.approx({"target_graph": 0.4, "drafter_graph": 0.2})
+
+
+@pytest.mark.slow
+def test_bench_measures_a_builds_served_graphs_and_the_int4_target(built, smollm2_onnx_dir, tmp_path, capsys):
+    """--build DIR (what make demo runs): the graphs the build's Triton repository serves, its tree
+    and drafter weights, with its target; --target-weights int4: plain and speculative decoding
+    on the 4-bit target graph, speculative equal to plain. A folder that is no build is refused."""
+    from eagle_trt import bench
+    _, manifest = built
+    out = Path(manifest.output)
+    assert bench.main(["--build", str(out), "--workloads", "mtbench", "--prompts", "1", "--max-new-tokens", "6",
+                       "--threads", "1", "--repeats", "1", "--out", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert report["build"] == str(out) and report["tree"] == [3, 2, 4] and not report["tree_sweep"]
+    assert report["drafter_weights"] == "int8" and report["iteration_graph"]
+    assert report["results"][0]["speculative_equals_autoregressive"] == 1
+    assert bench.main(["--build", str(tmp_path), "--out", str(tmp_path / "c")]) == 2
+    assert "not a python -m eagle_trt.build output" in capsys.readouterr().err
+    assert bench.main(["--target-weights", "int4", "--tree", "3,2,4", "--workloads", "mtbench", "--prompts", "2",
+                       "--max-new-tokens", "8", "--threads", "1", "--repeats", "1",
+                       "--onnx-dir", str(onnx_dir_copy(smollm2_onnx_dir, tmp_path / "onnx")),
+                       "--out", str(tmp_path / "i")]) == 0
+    report = json.loads((tmp_path / "i" / "bench.json").read_text())
+    assert report["target_weights"] == "int4" and (tmp_path / "onnx" / "target_int4.onnx").is_file()
+    assert report["results"][0]["speculative_equals_autoregressive"] == 2

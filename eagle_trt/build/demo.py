@@ -18,21 +18,21 @@ PROMPTS = [
     "Write a short poem about autumn leaves.",
 ]
 WARM_UP = "Say hello."      # not measured
-# The speed-up is measured as `python -m eagle_trt.bench` measures it by default: the first 10
-# MT-bench first turns x 128 tokens (3 short prompts x 64 tokens gave 1.44x where bench gave 1.16x
-# on the same graphs: easy prompts accept more and a short run weighs the prefill more).
+# The speed-up is measured by `python -m eagle_trt.bench --build` on the first 10 MT-bench first
+# turns x 128 tokens (3 short prompts x 64 tokens gave 1.44x where bench gave 1.16x on the same
+# graphs: easy prompts accept more and a short run weighs the prefill more).
 SPEED_PROMPTS, SPEED_TOKENS = 10, 128
 
 
 def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object]:
     """Speculative vs autoregressive on the built graphs; prints per-prompt lines and the speed-up."""
+    import gc
     import json
 
     from transformers import AutoTokenizer
 
     from ..api import encode_prompt
     from ..runtime.timing import OrtDecoding
-    from ..workloads import build as workload
     from .triton import served_graphs
     resolved = json.loads(manifest.artifact("validate/resolved.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(resolved["target"]["folder"], local_files_only=True)
@@ -55,27 +55,48 @@ def offline(manifest, cfg, max_new_tokens: int) -> tuple[bool, list[int], object
         print(f"> {prompt}\n{tokenizer.decode(spec.tokens, skip_special_tokens=True)}\n"
               f"  [{len(spec.tokens)} tokens, mean accept length {spec.mean_accept_length:.2f}, "
               f"{spec.seconds:.2f}s speculative vs {ar.seconds:.2f}s autoregressive, identical: {same}]\n")
-    print(f"speed: the first {SPEED_PROMPTS} MT-bench prompts x {SPEED_TOKENS} tokens, as python -m eagle_trt.bench "
-          f"measures it ...", flush=True)
-    spec_n = ar_n = 0
-    spec_s = ar_s = 0.0
-    accepts = []
-    for ids in workload(tokenizer, "mtbench", SPEED_PROMPTS):
-        spec, ar, _ = ort.compare(ids, SPEED_TOKENS)    # bench's default: each mode's faster of 2 runs
-        identical &= spec.tokens == ar.tokens
-        accepts += spec.accept_lengths
-        spec_n, spec_s = spec_n + len(spec.tokens), spec_s + spec.seconds
-        ar_n, ar_s = ar_n + len(ar.tokens), ar_s + ar.seconds
-    sps, aps = spec_n / spec_s, ar_n / ar_s
-    one_call = ", one call an iteration: the iteration graph" if "iteration" in graphs else ""
-    print(f"drafter: {resolved['drafter']['label']} ({resolved['drafter']['variant']}, graph {graphs['drafter_tree'].name}"
-          f"{one_call}); "
-          f"tree depth {cfg.tree.depth}, "
-          f"top_k {cfg.tree.top_k}, total_tokens {cfg.tree.total_tokens}; mean accept length {sum(accepts) / len(accepts):.2f}")
-    print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run, plain decoding in its fastest setting): "
-          f"speed-up {sps / aps:.2f}x")
+    del ort       # its plain session's threads spin between calls: gone before the measurement runs
+    gc.collect()
+    speed = measure_speed(Path(manifest.output))
+    identical &= speed["identical"]
     print(f"all outputs token-identical to autoregressive greedy decoding: {identical}")
     return identical, first, tokenizer
+
+
+def bench_command(output: Path, out: Path) -> list[str]:
+    """The speed measurement: python -m eagle_trt.bench on the build's own served graphs, in a
+    process of its own, with bench's defaults otherwise (all cores, each prompt's fastest of 2)."""
+    return [sys.executable, "-m", "eagle_trt.bench", "--build", str(output), "--workloads", "mtbench",
+            "--prompts", str(SPEED_PROMPTS), "--max-new-tokens", str(SPEED_TOKENS), "--out", str(out)]
+
+
+def measure_speed(output: Path) -> dict:
+    """Speculative against autoregressive decoding on the built graphs, measured by bench itself
+    (a fresh interpreter: the build's memory and threads do not weigh on it), so that make demo
+    and python -m eagle_trt.bench report one measurement, not two ways of taking it."""
+    import json
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="demo-bench-") as tmp:
+        cmd = bench_command(output, Path(tmp))
+        print(f"speed: the first {SPEED_PROMPTS} MT-bench prompts x {SPEED_TOKENS} tokens, measured by\n  "
+              f"{' '.join(['python'] + cmd[1:-2])}", flush=True)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        if done.returncode != 0:
+            print(done.stdout[-3000:], file=sys.stderr)
+            raise RuntimeError(f"the speed measurement failed (exit {done.returncode}): {' '.join(cmd)}")
+        report = json.loads((Path(tmp) / "bench.json").read_text())
+    r = report["results"][0]
+    modes = r["modes"]
+    sps, aps = modes["speculative"]["tokens_per_second"], modes["autoregressive"]["tokens_per_second"]
+    iteration = ", one call an iteration: the iteration graph" if report["iteration_graph"] else ""
+    print(f"drafter: {report['drafter']} ({report['drafter_variant']}, {report['drafter_weights']} weights{iteration}); "
+          f"tree {tuple(report['tree'])}; mean accept length {r['mean_accept_length']:.2f}")
+    print(f"speculative {sps:.1f} tok/s, autoregressive {aps:.1f} tok/s (ONNX Runtime CPU, same graphs, same run, "
+          f"plain decoding in its fastest setting; transformers {modes['transformers']['tokens_per_second']:.1f}): "
+          f"speed-up {sps / aps:.2f}x")
+    return {"speculative": sps, "autoregressive": aps,
+            "identical": r["speculative_equals_autoregressive"] == r["prompts"]}
 
 
 def served(manifest, cfg, max_new_tokens: int, expected: list[int]) -> bool:

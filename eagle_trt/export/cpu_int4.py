@@ -5,7 +5,7 @@ once, 540 MB a call for SmolLM2-135M in fp32. llama.cpp's users run such a model
 file (the Q4_1 GGUF SmolLM2 ships as: 32 weights per block, a scale and a minimum). This graph
 is the same idea in ONNX Runtime's own form, made by its own quantizer
 (`onnxruntime.quantization.matmul_nbits_quantizer`, block-wise asymmetric RTN, the default
-algorithm): every weight MatMul becomes a `com.microsoft.MatMulNBits` with 4-bit weights in
+algorithm, float32 compute): every weight MatMul becomes a `com.microsoft.MatMulNBits` with 4-bit weights in
 blocks of 32 along the input axis, a float scale and a 4-bit zero point per block. The tied
 lm_head (the exporter reads the embedding table through a Transpose) gets its own transposed
 copy first so that it is quantized too; the embedding's Gather keeps the float table.
@@ -29,7 +29,11 @@ from .cpu_int8 import fold_weight_aliases
 from .graph_files import install_graph, load_weights, save_graph
 
 BLOCK = 32            # weights per block along the input axis, as Q4_1's
-ACCURACY_LEVEL = 4    # MatMulNBits computes with int8 activations (AVX-512 VNNI / AVX2 int8 dot products)
+# MatMulNBits' compute type: 0 (unset: float32, as the activations). Level 4 (int8 activations)
+# is faster, but its kernels for one row and for several differ: SmolLM2's logits for 5 tokens in
+# one call lay 0.94 from the same tokens' 5 one-row calls (float32: 8e-5), so verification would
+# disagree with plain decoding on the same graph, and speculative output would not be its own.
+ACCURACY_LEVEL = 0
 
 
 def untie_transposed_weights(model: onnx.ModelProto) -> int:
