@@ -239,6 +239,18 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offl
         stream.close()
 
 
+def assert_streams(repository, prompt: list[int], expected: list[int]) -> None:
+    """A tritonserver on `repository` streams `expected` for the token ids `prompt`."""
+    with LocalTriton(repository) as server:
+        stream = Stream(server)
+        try:
+            stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
+            pieces, _, error = stream.collect()
+            assert error is None and flat(pieces) == expected
+        finally:
+            stream.close()
+
+
 # Qwen3 (q/k norm, q/k/v/o biases, a sliding window on the last layers): the parity stage runs too.
 FP8_TARGETS = {"llama": {}, "qwen3": {"family": "qwen3", "extra": dict(head_dim=16, attention_bias=True,
                                                                       use_sliding_window=True, sliding_window=8,
@@ -292,14 +304,7 @@ def test_fp8_repository_serves_with_the_fp8_runtime_settings(tmp_path, family, m
     from eagle_trt.export.graph_files import graph_files   # which reads the two graphs' own weights files
     assert [p.name for p in graph_files(graphs / "iteration.onnx")] == [
         "iteration.onnx", "drafter_tree.fp8.onnx.data", "target.fp8.onnx.data"]
-    with LocalTriton(moved) as server:
-        stream = Stream(server)
-        try:
-            stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
-            pieces, _, error = stream.collect()
-            assert error is None and flat(pieces) == expected
-        finally:
-            stream.close()
+    assert_streams(moved, prompt, expected)
 
 
 def test_int4_repository_streams_the_offline_int4_tokens(tmp_path):
@@ -328,14 +333,7 @@ def test_int4_repository_streams_the_offline_int4_tokens(tmp_path):
     prompt = list(range(5, 25))
     expected = DecodingLoop(opened.engine(), eos).generate(prompt, 8).tokens
     assert expected == DecodingLoop(TwoCallEngine(opened.target), eos).generate(prompt, 8).tokens
-    with LocalTriton(m.artifact("triton")) as server:
-        stream = Stream(server)
-        try:
-            stream.send([_input("input_ids", np.array(prompt, dtype=np.int64), "INT64")])
-            pieces, _, error = stream.collect()
-            assert error is None and flat(pieces) == expected
-        finally:
-            stream.close()
+    assert_streams(m.artifact("triton"), prompt, expected)
 
 
 def test_torch_runtime_streams_the_offline_tokens(built, offline, tmp_path):
