@@ -487,3 +487,40 @@ def test_export_attaches_each_weight_once_into_one_named_data_file(tmp_path, mon
         with torch.no_grad():
             want = model(ids, torch.arange(4)[None], causal_mask(4, 0), empty, empty).logits
         np.testing.assert_allclose(got, want.numpy(), rtol=tol, atol=tol)
+
+
+def test_a_float16_tree_may_choose_among_tied_scores_but_its_scores_must_match(tmp_path):
+    """Parity of a float16 drafter-tree graph: where its tree's nodes differ from the reference's
+    but every node's score matches to float16 tolerance (candidates tied at float16 rounding), the
+    graph's own tree passes and the feed is reported; where the scores differ, it fails. A float32
+    tree is held to the reference's nodes exactly."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from eagle_trt.parity import TREE_CHOICES, GraphCase, check_case
+
+    def tree_graph(dtype: str):
+        elem = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}[dtype]
+        outputs = [helper.make_tensor_value_info(n, TensorProto.INT64, [4]) for n in TREE_CHOICES]
+        outputs.append(helper.make_tensor_value_info("tree_scores", elem, [4]))
+        inputs = [helper.make_tensor_value_info(f"in_{v.name}", v.type.tensor_type.elem_type, [4]) for v in outputs]
+        path = tmp_path / f"tree-{dtype}.onnx"
+        onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", [i.name], [i.name[3:]])
+                                                       for i in inputs], "tree", inputs, outputs),
+                                    opset_imports=[helper.make_opsetid("", 19)], ir_version=9), str(path))
+        return path
+    tree = {n: np.array([1, 2, 3, 4]) for n in TREE_CHOICES}
+    swapped = dict(tree, tree_tokens=np.array([1, 3, 2, 4]))      # nodes 2 and 3 swapped
+
+    def check(dtype: str, reference_scores):
+        np_dtype = np.float16 if dtype == "float16" else np.float32
+        feed = {f"in_{n}": v for n, v in tree.items()} | {"in_tree_scores": np.array([-1, -2, -3, -4], np_dtype)}
+        ref = swapped | {"tree_scores": np.array(reference_scores, np_dtype)}
+        return check_case(GraphCase("drafter_tree", tree_graph(dtype), dtype, [feed], ["real"], [ref]))
+    tied = check("float16", [-1, -2.01, -3, -4])
+    assert tied.passed and tied.tie_flips == ["real"]
+    apart = check("float16", [-1, -2.5, -3, -4])
+    assert not apart.passed and apart.tie_flips == []
+    exact = check("float32", [-1, -2, -3, -4])
+    assert not exact.passed and exact.tie_flips == []
+    assert [o.output for o in exact.outputs if not o.passed] == ["tree_tokens"]
