@@ -28,10 +28,8 @@ def parity_session(graph: str | Path, dtype: str = "float32", provider: str = "c
     import onnxruntime as ort
     if provider != "cpu":
         return make_session(graph, providers=PROVIDERS[provider], level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
-    so = ort.SessionOptions()
+    so = _one_off_options()
     so.add_session_config_entry("session.disable_prepacking", "1")
-    so.log_severity_level = 3
-    so.enable_cpu_mem_arena = False          # each call's memory goes back after it
     if dtype == "float16":
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         # The default order runs the weights' casts early, holding most float32 copies at once
@@ -53,15 +51,22 @@ def probe_session(graph: str | Path, threads: int | None = 1) -> "WeightsFed":
     import onnxruntime as ort
 
     from .runtime.sessions import FP8_SESSION
-    so = ort.SessionOptions()
+    so = _one_off_options()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for key, value in FP8_SESSION["config"].items():
         so.add_session_config_entry(key, value)
     if threads:
         so.intra_op_num_threads = threads
-    so.enable_cpu_mem_arena = False
-    so.log_severity_level = 3
     return WeightsFed(Path(graph), so)
+
+
+def _one_off_options():
+    """Options of a session run a few times for a check: quiet, each call's memory given back after it."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False
+    return so
 
 
 class WeightsFed:

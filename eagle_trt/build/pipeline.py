@@ -345,7 +345,8 @@ class Build:
     def quantize(self, selected: bool) -> StageResult:
         cfg = self.cfg
         fmts = {n: getattr(cfg.precision, n).format for n in ("target", "drafter")}
-        skip = None if any(getattr(cfg.precision, n).quantized for n in fmts) or cfg.precision.target.weight_only else \
+        qdq = any(getattr(cfg.precision, n).quantized for n in fmts)       # Q/DQ graphs: calibrated
+        skip = None if qdq or cfg.precision.target.weight_only else \
             f"precision is target {fmts['target']}, drafter {fmts['drafter']}: nothing to quantize"
         key = {"upstream": self.upstream("quantize"), "precision": cfg.section("precision"),
                "calibration": cfg.section("calibration"), "tree": cfg.section("tree"), "device": self.device.type}
@@ -353,8 +354,8 @@ class Build:
         def run(tmp: Path) -> dict:
             from .quantize import quantize_graphs
             graphs = {g: self.path("export", f"{g}.onnx") for g in ("target", "drafter_tree")}
-            models = self.models_on(self.device, drafter=cfg.precision.drafter.quantized) \
-                if any(getattr(cfg.precision, n).quantized for n in fmts) else None     # int4 alone: no calibration
+            models = self.models_on(self.device, drafter=cfg.precision.drafter.quantized) if qdq \
+                else None     # int4 alone: no calibration
             return quantize_graphs(models, graphs, cfg, tmp, self.log, release=self.release_models)
         if skip is None:
             self.need("quantize", selected, "export")

@@ -17,8 +17,6 @@ The quantizer holds the whole graph, which suits the small targets a CPU serves.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .cpu_int8 import fold_weight_aliases
-from .graph_files import install_graph, load_weights, save_graph
+from .graph_files import load_weights, rewrite_graph
 
 BLOCK = 32            # weights per block along the input axis, as Q4_1's
 # MatMulNBits' compute type: 0 (unset: float32, as the activations). Level 4 (int8 activations)
@@ -64,32 +62,28 @@ def quantize_int4(src: str | Path, dst: str | Path, block_size: int = BLOCK,
     """Write `src` (an fp32 target graph) with 4-bit MatMulNBits weights to `dst` (atomically:
     a failed run leaves no `dst`). Returns counts for the log."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-    src, dst = Path(src), Path(dst)
-    model = onnx.load(str(src), load_external_data=False)
-    load_weights(model, src.parent)         # also from a weights file with several hard links
-    halves = [t.name for t in model.graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT16]
-    if halves:
-        raise ValueError(f"{src}: the 4-bit target is made from an fp32 graph; this one has float16 weights "
-                         f"(e.g. {halves[0]!r})")
-    untied = untie_transposed_weights(model)
-    fold_weight_aliases(model)
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level,
-                                          op_types_to_quantize=("MatMul",))
-    quantizer = MatMulNBitsQuantizer(model, algo_config=config)
-    chatty = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = chatty.level
-    chatty.setLevel(logging.WARNING)      # it logs a line per node at INFO
-    try:
-        quantizer.process()
-    finally:
-        chatty.setLevel(level)
-    model = quantizer.model.model
-    matmuls = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".int4-", dir=dst.parent))
-    try:
-        written = save_graph(model, tmp / dst.name)
-        install_graph(written, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"int4_matmuls": matmuls, "untied": untied, "block_size": block_size}
+    src = Path(src)
+
+    def rewrite(model: onnx.ModelProto, _data) -> dict:
+        load_weights(model, src.parent)         # the quantizer holds the graph whole
+        halves = [t.name for t in model.graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT16]
+        if halves:
+            raise ValueError(f"{src}: the 4-bit target is made from an fp32 graph; this one has float16 weights "
+                             f"(e.g. {halves[0]!r})")
+        untied = untie_transposed_weights(model)
+        fold_weight_aliases(model)
+        config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level,
+                                              op_types_to_quantize=("MatMul",))
+        quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+        chatty = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+        level = chatty.level
+        chatty.setLevel(logging.WARNING)      # it logs a line per node at INFO
+        try:
+            quantizer.process()
+        finally:
+            chatty.setLevel(level)
+        if quantizer.model.model is not model:
+            model.CopyFrom(quantizer.model.model)
+        return {"int4_matmuls": sum(n.op_type == "MatMulNBits" for n in model.graph.node), "untied": untied,
+                "block_size": block_size}
+    return rewrite_graph(src, dst, rewrite)

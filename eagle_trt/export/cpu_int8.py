@@ -21,16 +21,13 @@ The exporter writes the unrolled tree's later levels as Identity nodes over the 
 initializers; those aliases are folded first (every level then reads the one int8 copy)."""
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from .graph_files import DataFile, MIN_EXTERNAL_TENSOR, data_file_name, install_graph, read_array, save_graph
+from .graph_files import DataFile, new_tensor, read_array, rewrite_graph
 
 QMIN, QMAX = -127, 127       # the quantizer's symmetric int8 range for weights
 CLIP = (-128, 127)           # what its quantize_nparray clips to (the full int8 range)
@@ -95,20 +92,13 @@ class _Int8Rewriter:
         return (w is not None and w.data_type == TensorProto.FLOAT and len(w.dims) == 2
                 and node.input[0] not in self.inits)
 
-    def _add(self, tensor: TensorProto) -> None:
-        if self.data is not None and len(tensor.raw_data) >= MIN_EXTERNAL_TENSOR:
-            raw = tensor.raw_data
-            tensor.ClearField("raw_data")
-            self.data.append(tensor, [raw])     # straight to the weights file: one matrix in memory at a time
-        self.new_inits.append(tensor)
-
     def weight(self, name: str) -> None:
         if name in self.weights:
             return
         self.weights.add(name)
         init = self.inits[name]
         q, scales = int8_per_channel(read_array(init, self.source_dir))
-        self._add(numpy_helper.from_array(q, f"{name}_quantized"))
+        self.new_inits.append(new_tensor(f"{name}_quantized", TensorProto.INT8, list(q.shape), q.tobytes(), self.data))
         # as the quantizer makes them: float_data / int32_data fields, not raw bytes
         self.new_inits.append(helper.make_tensor(f"{name}_scale", TensorProto.FLOAT, [q.shape[1]], scales.tolist()))
         self.new_inits.append(helper.make_tensor(f"{name}_zero_point", TensorProto.INT8, [q.shape[1]],
@@ -150,21 +140,14 @@ class _Int8Rewriter:
 def quantize_int8(src: str | Path, dst: str | Path) -> dict:
     """Write `src` with int8 per-channel weights for every weight MatMul to `dst`, one weight in
     memory at a time (atomically: a failed run leaves no `dst`). Returns counts for the log."""
-    src, dst = Path(src), Path(dst)
-    model = onnx.load(str(src), load_external_data=False)     # external weights are read one by one
-    folded = fold_weight_aliases(model)
-    tmp = Path(tempfile.mkdtemp(prefix=".int8-", dir=dst.parent))
-    try:
-        out = tmp / dst.name
-        external = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
-        with DataFile(out.with_name(data_file_name(out))) if external else nullcontext() as data:
-            rewriter = _Int8Rewriter(model, src.parent, data)
-            nodes = []
-            for node in model.graph.node:
-                nodes += rewriter.rewrite(node) if rewriter.quantizable(node) else [node]
-            rewriter.finish(nodes)
-            written = save_graph(model, out, source_dir=src.parent, data=data)
-        install_graph(written, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"folded_aliases": folded, "int8_matmuls": rewriter.matmuls}
+    src = Path(src)
+
+    def rewrite(model: onnx.ModelProto, data: DataFile | None) -> dict:
+        folded = fold_weight_aliases(model)
+        rewriter = _Int8Rewriter(model, src.parent, data)
+        nodes = []
+        for node in model.graph.node:
+            nodes += rewriter.rewrite(node) if rewriter.quantizable(node) else [node]
+        rewriter.finish(nodes)
+        return {"folded_aliases": folded, "int8_matmuls": rewriter.matmuls}
+    return rewrite_graph(src, dst, rewrite)

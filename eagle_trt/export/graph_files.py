@@ -10,8 +10,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from contextlib import contextmanager
+import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TypeVar
 
 import onnx
 from onnx import helper
@@ -110,6 +113,43 @@ class DataFile:
 
     def __exit__(self, *_):
         self.close()
+
+
+def new_tensor(name: str, elem: int, dims: list[int], raw: bytes, data: DataFile | None) -> onnx.TensorProto:
+    """A tensor a rewrite makes (its bytes `raw`): appended to the new graph's weights file `data`
+    there and then where one is open and the tensor is large enough to live outside the graph
+    (a real-size graph's new weights are never all in memory), else kept in the graph."""
+    if data is not None and len(raw) >= MIN_EXTERNAL_TENSOR:
+        return data.append(onnx.TensorProto(name=name, data_type=elem, dims=dims), [raw])
+    return helper.make_tensor(name, elem, dims, raw, raw=True)
+
+
+Result = TypeVar("Result")
+
+
+def rewrite_graph(src: str | Path, dst: str | Path, rewrite: Callable[[onnx.ModelProto, DataFile | None], Result],
+                  check: Callable[[Path], None] | None = None) -> Result:
+    """Read the graph at `src` without its external weights, let `rewrite(model, data)` change it
+    in place (`data`: the new graph's weights file, open where `src` keeps weights outside the
+    graph, for its new tensors: new_tensor), write it in a temporary folder beside `dst` with the
+    weights it kept copied from `src`'s files a tensor at a time, `check` the written file, then
+    install it as `dst` (a failed run leaves no `dst`). Returns what `rewrite` returned."""
+    src, dst = Path(src), Path(dst)
+    model = onnx.load(str(src), load_external_data=False)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
+    try:
+        out = tmp / dst.name
+        external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+        with DataFile(out.with_name(data_file_name(out))) if external else nullcontext() as data:
+            result = rewrite(model, data)
+            written = save_graph(model, out, source_dir=src.parent, data=data)
+        if check is not None:
+            check(out)
+        install_graph(written, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
 
 
 def save_graph(model: onnx.ModelProto, path: str | Path, source_dir: str | Path | None = None,
@@ -320,4 +360,5 @@ def check_graph_files(path: str | Path) -> None:
 
 __all__ = ["EXTERNAL_DATA_BYTES", "DataFile", "DiskFull", "GraphFileError", "writing", "check_graph_files",
            "check_structure", "data_file_name", "external_data_threshold",
-           "external_references", "graph_files", "install_graph", "proto_bytes", "read_array", "save_graph"]
+           "external_references", "graph_files", "install_graph", "new_tensor", "proto_bytes", "read_array",
+           "rewrite_graph", "save_graph"]

@@ -48,11 +48,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from ..graph_names import HANDOFF, PREFIX, VERIFY_NODES
-
-ORT_CONTRIB = "com.microsoft"     # ONNX Runtime's contrib operators' domain (MatMulNBits)
 from .graph_files import check_graph_files, check_structure, install_graph, save_graph
 from .onnx_export import ExportedGraph
 from .opcheck import check_graph
+
+ORT_CONTRIB = "com.microsoft"     # ONNX Runtime's contrib operators' domain (MatMulNBits)
 
 TARGET_FED = ("input_ids", "position_ids", "attention_mask", "logits_index")   # made by the glue
 GLUE = "iteration_glue/"

@@ -115,9 +115,10 @@ def _dequantize_weights_where_used(model: onnx.ModelProto) -> None:
 def layer_parity(graph: str, reference: nn.Module | StreamedTarget, feeds: dict[str, np.ndarray], threads: int = 1
                  ) -> list[LayerParity]:
     """Run the quantized graph once (ONNX Runtime for FP8, unoptimized, its weights fed as memory
-    maps: parity_sessions.probe_session; onnx.reference for NVFP4), exposing every quantized MatMul's float input and output, and compare each
-    output with the reference model's QuantLinear of the same module applied to that input
-    (a fake-quant StreamedTarget's, one part at a time)."""
+    maps: parity_sessions.probe_session; onnx.reference for NVFP4), exposing every quantized
+    MatMul's float input and output, and compare each output with the reference model's
+    QuantLinear of the same module applied to that input (a fake-quant StreamedTarget's, one
+    part at a time)."""
     model = onnx.load(str(graph), load_external_data=False)    # the weights stay in the graph's data file
     layers = _quantized_paths(reference)
     pairs = quantized_matmuls(model)

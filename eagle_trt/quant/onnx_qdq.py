@@ -23,9 +23,6 @@ scope, so a scope is matched as an ordered subsequence of a known module path.""
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
-from contextlib import nullcontext
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -36,7 +33,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..export.graph_files import MIN_EXTERNAL_TENSOR, DataFile, data_file_name, install_graph, read_array, save_graph
+from ..export.graph_files import DataFile, new_tensor, read_array, rewrite_graph
 from ..export.opcheck import check_graph
 from .config import QuantConfig, QuantError
 from .fakequant import check_amax
@@ -160,11 +157,8 @@ class _Rewriter:
 
     def _init(self, name: str, array: np.ndarray | None = None, *, elem: int | None = None,
               dims: list[int] | None = None, raw: bytes | None = None) -> str:
-        if raw is not None and self.data is not None and len(raw) >= MIN_EXTERNAL_TENSOR:
-            # straight to the graph's weights file: a real-size target's FP8 weights are never all in memory
-            self.new_inits.append(self.data.append(onnx.TensorProto(name=name, data_type=elem, dims=dims), [raw]))
-        elif raw is not None:
-            self.new_inits.append(helper.make_tensor(name, elem, dims, raw, raw=True))
+        if raw is not None:
+            self.new_inits.append(new_tensor(name, elem, dims, raw, self.data))
         else:
             self.new_inits.append(numpy_helper.from_array(array, name))
         return name
@@ -351,26 +345,17 @@ def quantize_onnx(src: str | Path, dst: str | Path, cfg: QuantConfig, amax: dict
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise QuantError(f"{src}: ONNX graph not found")
-    # External weights stay on disk: each is read when it is converted, and its quantized form
-    # written to the new graph's weights file there and then; the rest is copied at the save.
-    model = onnx.load(str(src), load_external_data=False)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
-    try:
-        tmp_file = tmp / dst.name
-        external = any(i.data_location == TensorProto.EXTERNAL for i in model.graph.initializer)
-        with DataFile(tmp_file.with_name(data_file_name(tmp_file))) if external else nullcontext() as data:
-            summary = quantize_graph(model, cfg, amax, modules, source, src.parent, data, on_matmul)
-            written = save_graph(model, tmp_file, source_dir=src.parent, data=data)
+
+    def check(written: Path) -> None:
         try:
-            onnx.checker.check_model(str(tmp_file))
+            onnx.checker.check_model(str(written))
         except onnx.checker.ValidationError as exc:
             raise QuantError(f"{dst}: the quantized graph fails onnx.checker ({exc})") from None
-        check_graph(str(tmp_file), label=str(dst))
-        install_graph(written, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return summary
+        check_graph(str(written), label=str(dst))
+    # External weights stay on disk: each is read when it is converted, and its quantized form
+    # written to the new graph's weights file there and then; the rest is copied at the save.
+    return rewrite_graph(src, dst, lambda model, data: quantize_graph(model, cfg, amax, modules, source, src.parent,
+                                                                        data, on_matmul), check)
 
 
 __all__ = ["QDQSummary", "module_for_node", "quantize_graph", "quantize_onnx"]
