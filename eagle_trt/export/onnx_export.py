@@ -20,6 +20,7 @@ from ..graph_names import DRAFT_STEP_INPUTS, DRAFT_STEP_OUTPUTS, DRAFT_TREE_INPU
 from .graphs import DrafterStepGraph, DraftTreeGraph, TargetGraph
 from .graph_files import install_graph
 from .opcheck import check_graph
+from .shape_folding import fold_shapes
 from .weights import Resolver, WeightWritten, attach_weights, stand_in, weights_as_inputs
 
 DEFAULT_OPSET = 19   # FP8 Q/DQ needs >= 19
@@ -27,6 +28,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Example sizes for tracing: distinct and non-zero, so a size that got baked in as a
 # constant shows up as a wrong shape when the parity tests run other sizes.
 TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
+# What every graph's callers guarantee about its named axes, for fold_shapes: a call has a
+# sequence and a new token at least, and an attention mask covers the past and the new rows.
+AXIS_FACTS = {"positive": ("batch", "new_tokens"), "relations": {"total_tokens": "past_tokens + new_tokens"}}
 
 
 @dataclass
@@ -62,6 +66,7 @@ def _export(make_graph, module: torch.nn.Module, dtype: str, args: tuple, path: 
         del traced, weights
         gc.collect()      # the traced stand-in sits in reference cycles: free its placeholder buffer now
         graph = onnx.load(str(tmp_file))
+        fold_shapes(graph, **AXIS_FACTS)     # the traced views' run-time shape arithmetic, made constant
         for out in graph.graph.output:
             for axis, size in (static_dims or {}).get(out.name, {}).items():
                 out.type.tensor_type.shape.dim[axis].dim_value = size

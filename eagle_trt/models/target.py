@@ -138,12 +138,13 @@ class Attention(nn.Module):
         groups = H // Hkv
         q = q.view(B, T, Hkv, groups, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, groups * T, D)
         scores = torch.cat([torch.matmul(q, k.transpose(-1, -2)) for k, _ in parts], dim=-1) * (1.0 / math.sqrt(D))
-        S = scores.shape[-1]
-        scores = scores.view(B, Hkv, groups, T, S).float().masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        # The rows are each query head's T rows in turn: the mask, repeated to match, masks them
+        # where they are (a [B, Hkv, groups, T, S] view and back cost an exported graph two
+        # Reshapes whose sizes ONNX can only compute at run time).
+        keep = (mask.repeat(1, groups, 1) if groups > 1 else mask)[:, None]
+        probs = torch.softmax(scores.float().masked_fill(~keep, float("-inf")), dim=-1).to(q.dtype)
         if self.record_probs:          # diagnostics only (eagle_trt.diagnose); never set when exporting
-            self.last_probs = probs.detach().reshape(B, H, T, S)
-        probs = probs.view(B, Hkv, groups * T, S)
+            self.last_probs = probs.detach().reshape(B, H, T, -1)
         out, start = None, 0
         for k, v in parts:             # each part's share of the weighted sum, where its rows are
             rows = k.shape[2]
