@@ -11,6 +11,8 @@ tensors computed from shapes as symbolic values, and then:
 - a Reshape whose target is known becomes a constant target: an entry equal to the input's
   size on the same axis becomes 0 (copy it), at most one other entry -1 (inferred; used only
   where every other entry is provably non-zero, as -1 beside a zero size is an error);
+- a symbolic value computed again (every layer reads the past's length from its own cache, a
+  named axis they share) is read from the first tensor that holds it;
 - the nodes left without consumers go.
 
 The result is plain ONNX (Reshape's 0 and -1 are standard and TensorRT parses them). The pass
@@ -46,6 +48,7 @@ class ShapeFolding:
     nodes_after: int
     reshapes: int = 0        # Reshape targets made constant
     constants: int = 0       # computed integer tensors made initializers
+    shared: int = 0          # readers of a symbolic value computed before, given that tensor
     kept: list[str] = field(default_factory=list)   # Reshapes left computed (their names)
 
 
@@ -461,6 +464,8 @@ def fold_shapes(model: onnx.ModelProto, positive: tuple[str, ...] = (),
             g.initializer.append(numpy_helper.from_array(arr, new_inits[key]))
         return new_inits[key]
 
+    computed_once: dict[tuple, str] = {}
+
     def computed(name: str) -> bool:
         return bool(name) and name in produced and produced[name].op_type != "Constant"
 
@@ -476,9 +481,20 @@ def fold_shapes(model: onnx.ModelProto, positive: tuple[str, ...] = (),
             continue
         for i, name in enumerate(node.input):
             values = shapes.values.get(name) if computed(name) else None
-            if values is not None and all(_int(v) is not None for v in values):
+            if values is None:
+                continue
+            if all(_int(v) is not None for v in values):
                 node.input[i] = constant(values, name)
                 report.constants += 1
+                continue
+            # The same symbolic value computed again (each layer reads the past's length from its
+            # own cache): the first tensor holding it serves every later reader. It was produced
+            # before its first reader, so before this node.
+            key = (tuple(values), shapes.dims.get(name) == (), shapes.types.get(name))
+            first = computed_once.setdefault(key, name)
+            if first != name:
+                node.input[i] = first
+                report.shared += 1
     _remove_unused(g)
     report.nodes_after = len(g.node)
     return report

@@ -73,18 +73,23 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = float((scaling or {}).get("attention_factor", 1.0))
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, T, 1, D] for apply_rope, sin's first half negated (apply_rope's why)."""
         freqs = position_ids.float()[..., None] * self.inv_freq          # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                           # [B, T, D]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(dtype)[:, :, None], sin.to(dtype)[:, :, None]       # [B, T, 1, D]
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: the negation is in
+    sin_signed = [-sin1, sin2] (RotaryEmbedding's), so the products are exactly the same and a
+    graph swaps x's halves without a Neg node in every layer."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
 
 
 class Attention(nn.Module):
