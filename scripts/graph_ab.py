@@ -1,0 +1,113 @@
+"""Target graphs timed against each other on this machine: calls of each graph taking turns in one
+process (a VM's speed drifts by tens of percent between minutes, so only interleaved calls compare),
+one token count after another, a past of --context rows; with --floor also a graph of only the
+first graph's weight MatMuls (what its other nodes add to). Prints the median and minimum ms a call.
+
+    python scripts/graph_ab.py OLD/target.onnx NEW/target.onnx --floor --tokens 1,5 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+
+def session(path: Path, threads: int) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def matmul_floor(graph: Path, folder: Path) -> Path:
+    """A graph of `graph`'s weight MatMuls only, chained so that none can be skipped: the same
+    weights read in the same order, nothing else."""
+    model = onnx.load(str(graph))
+    weights = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:      # a tied head: the embedding table transposed in the graph
+        if node.op_type == "Transpose" and node.input[0] in weights:
+            weights[node.output[0]] = numpy_helper.from_array(
+                np.ascontiguousarray(numpy_helper.to_array(weights[node.input[0]]).T), node.output[0])
+    hidden = next(numpy_helper.to_array(weights[n.input[1]]).shape[0] for n in model.graph.node
+                  if n.op_type == "MatMul" and n.input[1] in weights)
+    nodes, used, latest = [], [], {hidden: "x"}     # latest: the last output of each width
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in weights:
+            continue
+        k, n = weights[node.input[1]].dims
+        if k not in latest:
+            continue
+        out = f"{node.name}_out"
+        nodes.append(helper.make_node("MatMul", [latest[k], node.input[1]], [out]))
+        used.append(weights[node.input[1]])
+        latest[n] = out
+    graph_out = [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes]
+    floor = helper.make_model(helper.make_graph(nodes, "matmul_floor",
+                                                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", hidden])],
+                                                graph_out, used),
+                              opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    path = folder / "floor.onnx"
+    onnx.save(floor, str(path), save_as_external_data=True, location="floor.onnx.data")
+    return path
+
+
+def target_feeds(s: ort.InferenceSession, tokens: int, past: int) -> dict:
+    gen = np.random.default_rng(0)
+    feeds = {"input_ids": np.full((1, tokens), 100, np.int64),
+             "position_ids": np.arange(past, past + tokens)[None].astype(np.int64),
+             "attention_mask": np.ones((1, tokens, past + tokens), bool), "logits_index": np.arange(tokens)}
+    for i in s.get_inputs():
+        if i.name.startswith("past_"):
+            shape = [1 if d == "batch" else past if d == "past_tokens" else d for d in i.shape]
+            feeds[i.name] = gen.standard_normal(shape, dtype=np.float32)
+    return feeds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("graphs", type=Path, nargs="+", help="target graphs (eagle_trt's export)")
+    p.add_argument("--floor", action="store_true", help="also time the first graph's weight MatMuls alone")
+    p.add_argument("--tokens", default="1,5", help="new tokens a call, comma separated")
+    p.add_argument("--context", type=int, default=200, help="rows of past")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=30, help="turns per token count (5 calls a turn)")
+    args = p.parse_args(argv)
+    for g in args.graphs:
+        if not g.is_file():
+            print(f"error: {g}: no such graph", file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        sessions = {str(g): session(g, args.threads) for g in args.graphs}
+        if args.floor:
+            sessions["weight MatMuls only"] = session(matmul_floor(args.graphs[0], Path(tmp)), args.threads)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            calls = {}
+            for name, s in sessions.items():
+                feeds = target_feeds(s, tokens, args.context) if name in map(str, args.graphs) else \
+                    {"x": np.random.default_rng(0).standard_normal((1, tokens, s.get_inputs()[0].shape[2]),
+                                                                   dtype=np.float32)}
+                calls[name] = (s, [s.get_outputs()[0].name], feeds)
+                s.run(*calls[name][1:])
+            times = {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, (s, outputs, feeds) in calls.items():
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        s.run(outputs, feeds)
+                    times[name].append((time.perf_counter() - start) / 5 * 1e3)
+            for name, t in times.items():
+                print(f"{tokens} token(s), past {args.context}: {name}: median {statistics.median(t):.2f} ms, "
+                      f"min {min(t):.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
