@@ -49,10 +49,9 @@ def matmul_floor(graph: Path, folder: Path) -> Path:
         nodes.append(helper.make_node("MatMul", [latest[k], node.input[1]], [out]))
         used.append(weights[node.input[1]])
         latest[n] = out
+    graph_in = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", hidden])]
     graph_out = [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes]
-    floor = helper.make_model(helper.make_graph(nodes, "matmul_floor",
-                                                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", hidden])],
-                                                graph_out, used),
+    floor = helper.make_model(helper.make_graph(nodes, "matmul_floor", graph_in, graph_out, used),
                               opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
     path = folder / "floor.onnx"
     onnx.save(floor, str(path), save_as_external_data=True, location="floor.onnx.data")

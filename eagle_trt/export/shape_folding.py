@@ -21,6 +21,7 @@ is sound by construction: a size it cannot derive gets a fresh symbol, equal to 
 total_tokens = past_tokens + new_tokens for an attention mask."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,11 +56,11 @@ class ShapeFolding:
 class _Symbols:
     def __init__(self, positive: set[str], relations: dict[str, str]):
         self.positive, self.named, self.fresh = positive, {}, 0
-        self.relations = {name: sympy.sympify(expr, locals=self._locals(expr)) for name, expr in relations.items()}
-
-    def _locals(self, expr: str) -> dict:
-        names = {t for t in sympy.sympify(expr).free_symbols}
-        return {str(s): self.named_dim(str(s)) for s in names}
+        # every name in an expression is an axis (sympy's own N, E, S... would parse as functions)
+        self.relations = {}
+        for name, expr in relations.items():
+            axes = {n: self.named_dim(n) for n in re.findall(r"[A-Za-z_]\w*", expr)}
+            self.relations[name] = sympy.sympify(expr, locals=axes)
 
     def named_dim(self, name: str) -> Dim:
         if name not in self.named:
@@ -334,7 +335,8 @@ class _Shapes:
             a = a + rank if a < 0 else a
             dims[a] = self._slice_length(data[a], s, e)
         self.dims[node.output[0]] = tuple(dims)
-        if rank == 1 and node.input[0] in self.values and axes == [0] and all(_int(x) is not None for x in starts + ends):
+        if rank == 1 and node.input[0] in self.values and axes == [0] and \
+                all(_int(x) is not None for x in starts + ends):
             values = self.values[node.input[0]]
             self.values[node.output[0]] = values[slice(_int(starts[0]), _int(ends[0]))]
             self.types[node.output[0]] = self.types[node.input[0]]
@@ -368,7 +370,8 @@ class _Shapes:
         fill = _attr(node, "value")
         if fill is not None and fill.data_type in INT_TYPES and len(shape) == 1 and _int(shape[0]) is not None \
                 and _int(shape[0]) <= MAX_VALUES:     # e.g. the ones a traced repeat() expands by
-            self.values[node.output[0]] = [sympy.Integer(int(numpy_helper.to_array(fill).reshape(-1)[0]))] * _int(shape[0])
+            value = int(numpy_helper.to_array(fill).reshape(-1)[0])
+            self.values[node.output[0]] = [sympy.Integer(value)] * _int(shape[0])
             self.types[node.output[0]] = fill.data_type
 
     def _reduce(self, node, ins, axes) -> None:
