@@ -60,7 +60,7 @@ def matmul_floor(graph: Path, folder: Path) -> Path:
 
 def target_feeds(s: ort.InferenceSession, tokens: int, past: int) -> dict:
     gen = np.random.default_rng(0)
-    feeds = {"input_ids": np.full((1, tokens), 100, np.int64),
+    feeds = {"input_ids": np.full((1, tokens), 1, np.int64),     # an id every vocabulary has
              "position_ids": np.arange(past, past + tokens)[None].astype(np.int64),
              "attention_mask": np.ones((1, tokens, past + tokens), bool), "logits_index": np.arange(tokens)}
     for i in s.get_inputs():

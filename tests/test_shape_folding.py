@@ -175,3 +175,24 @@ def test_a_provable_view_is_folded_and_an_unprovable_one_is_left():
     report = fold_shapes(m)
     assert report.reshapes == 0 and report.kept == ["view"]
     assert _run(m, np.array([0, 1, 2, 0], np.float32)).shape == (2, 1)
+
+
+def test_graph_ab_times_graphs_and_their_weight_matmuls(tiny_graphs, tmp_path, capsys):
+    """scripts/graph_ab.py on a tiny target graph: a line per graph and token count, and the
+    --floor graph holds exactly the target's weight MatMuls (the tied head included) and runs."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("graph_ab", Path(__file__).parents[1] / "scripts" / "graph_ab.py")
+    graph_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph_ab)
+    target = tiny_graphs[2]["target"]
+    assert graph_ab.main([str(target), "--floor", "--tokens", "1,3", "--rounds", "1", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and sum("weight MatMuls only" in line for line in lines) == 2, lines
+    m = onnx.load(str(target), load_external_data=False)
+    weights = {i.name for i in m.graph.initializer} | {n.output[0] for n in m.graph.node if n.op_type == "Transpose"
+                                                       and n.input[0] in {i.name for i in m.graph.initializer}}
+    floor = onnx.load(str(graph_ab.matmul_floor(target, tmp_path)), load_external_data=False)
+    assert [n.input[1] for n in floor.graph.node] == [n.input[1] for n in m.graph.node
+                                                      if n.op_type == "MatMul" and n.input[1] in weights]
+    assert graph_ab.main([str(tmp_path / "missing.onnx")]) == 2
