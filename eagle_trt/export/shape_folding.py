@@ -4,7 +4,7 @@ graph's symbolic sizes prove the result.
 TorchScript traces `x.view(B, T, H, D)` with B and T read from the tensors at run time:
 Shape -> Gather -> Unsqueeze -> Concat -> Reshape, six nodes for one view. SmolLM2's target had
 ~1,300 such nodes beside ~300 MatMuls; on a CPU each costs ONNX Runtime a dispatch, together
-~2 ms of a 16 ms one-token step. This pass gives every tensor symbolic dims (the graph inputs'
+~3 ms of a 15 ms one-token step (docs/benchmarks.md, "Against llama.cpp"). This pass gives every tensor symbolic dims (the graph inputs'
 named axes; fresh symbols where an op's result is not known here), evaluates the integer
 tensors computed from shapes as symbolic values, and then:
 - an integer tensor whose value is a constant becomes an initializer (`half = x.shape[-1] // 2`);
@@ -69,7 +69,7 @@ class _Symbols:
         return self.named[name]
 
     def axis(self, name: str) -> Dim:
-        return self.relations.get(name) or self.named_dim(name)
+        return self.relations[name] if name in self.relations else self.named_dim(name)
 
     def new(self) -> Dim:
         self.fresh += 1
