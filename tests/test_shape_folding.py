@@ -196,3 +196,30 @@ def test_graph_ab_times_graphs_and_their_weight_matmuls(tiny_graphs, tmp_path, c
     assert [n.input[1] for n in floor.graph.node] == [n.input[1] for n in m.graph.node
                                                       if n.op_type == "MatMul" and n.input[1] in weights]
     assert graph_ab.main([str(tmp_path / "missing.onnx")]) == 2
+
+
+def test_one_computed_target_read_by_two_reshapes_becomes_two_constants():
+    """Concat(batch, 6) reshapes x [batch, 2, 3] (batch copied: [0, 6]) and y [6, batch] (batch
+    inferred: [-1, 6]): two constants of their own, both graph outputs still right."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "zero"], ["ub"]),
+             helper.make_node("Concat", ["ub", "six"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["x2"], name="view_x"),
+             helper.make_node("Reshape", ["y", "target"], ["y2"], name="view_y")]
+    m = _graph(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 3]),
+                       helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, "batch"])],
+               [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 6]) for n in ("x2", "y2")],
+               [helper.make_tensor("i0", TensorProto.INT64, [], [0]),
+                helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+                helper.make_tensor("six", TensorProto.INT64, [1], [6])])
+    report = fold_shapes(m, positive=("batch",))
+    assert report.reshapes == 2 and [n.op_type for n in m.graph.node] == ["Reshape", "Reshape"]
+    names = [i.name for i in m.graph.initializer]
+    assert len(names) == len(set(names))
+    onnx.checker.check_model(m)
+    inits = {i.name: onnx.numpy_helper.to_array(i).tolist() for i in m.graph.initializer}
+    targets = {n.name: inits[n.input[1]] for n in m.graph.node}
+    assert targets == {"view_x": [0, 6], "view_y": [-1, 6]}
+    x, y = np.random.rand(4, 2, 3).astype(np.float32), np.random.rand(6, 4).astype(np.float32)
+    got = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "y": y})
+    assert np.array_equal(got[0], x.reshape(4, 6)) and np.array_equal(got[1], y.reshape(4, 6))

@@ -44,7 +44,7 @@ VALUE_OPS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda
 
 @dataclass
 class ShapeFolding:
-    """What fold_shapes changed, for the export log and the tests."""
+    """What fold_shapes changed (the tests read it)."""
     nodes_before: int
     nodes_after: int
     reshapes: int = 0        # Reshape targets made constant
@@ -154,9 +154,7 @@ class _Shapes:
     def visit(self, node: onnx.NodeProto) -> None:
         op, ins = node.op_type, [self.dims.get(i) if i else None for i in node.input]
         out = node.output[0] if node.output else None
-        handler = getattr(self, f"_op_{op}", None)
-        if node.domain not in ("", "ai.onnx"):
-            handler = None
+        handler = getattr(self, f"_op_{op}", None) if node.domain in ("", "ai.onnx") else None
         if handler is not None:
             handler(node, ins)
         elif op in UNARY:
@@ -455,15 +453,17 @@ def fold_shapes(model: onnx.ModelProto, positive: tuple[str, ...] = (),
         shapes.visit(node)
         for o in node.output:
             produced[o] = node
-    new_inits: dict[str, str] = {}
+    new_inits: dict[tuple, str] = {}
 
     def constant(values: list, like: str) -> str:
-        """An initializer with `like`'s (integer) values, rank and type; one per distinct value."""
+        """An initializer with these integer values and `like`'s rank and type; one per distinct
+        value. Named after `like` and numbered: one computed target read by two Reshapes can
+        become two different constants."""
         ints, rank0 = [_int(v) for v in values], shapes.dims.get(like) == ()
         key = (tuple(ints), rank0, shapes.types.get(like, onnx.TensorProto.INT64))
         if key not in new_inits:
             arr = np.array(ints[0] if rank0 else ints, dtype=onnx.helper.tensor_dtype_to_np_dtype(key[2]))
-            new_inits[key] = f"{like}__folded"
+            new_inits[key] = f"{like}__folded{len(new_inits)}"
             g.initializer.append(numpy_helper.from_array(arr, new_inits[key]))
         return new_inits[key]
 
@@ -498,7 +498,7 @@ def fold_shapes(model: onnx.ModelProto, positive: tuple[str, ...] = (),
             if first != name:
                 node.input[i] = first
                 report.shared += 1
-    _remove_unused(g)
+    _remove_unused(g, set(new_inits.values()))
     report.nodes_after = len(g.node)
     return report
 
@@ -529,8 +529,8 @@ def _static_target(dims: tuple | None, target: list | None, allowzero: bool) -> 
     return new
 
 
-def _remove_unused(g: onnx.GraphProto) -> None:
-    """Drop the nodes whose outputs nothing reads (nor a subgraph), and unread folded constants."""
+def _remove_unused(g: onnx.GraphProto, folded: set[str]) -> None:
+    """Drop the nodes whose outputs nothing reads (nor a subgraph), and the unread `folded` constants."""
     needed = {o.name for o in g.output}
     keep = []
     for node in reversed(g.node):
@@ -542,7 +542,7 @@ def _remove_unused(g: onnx.GraphProto) -> None:
         keep.reverse()
         del g.node[:]
         g.node.extend(keep)
-    for init in [i for i in g.initializer if i.name.endswith("__folded") and i.name not in needed]:
+    for init in [i for i in g.initializer if i.name in folded and i.name not in needed]:
         g.initializer.remove(init)
 
 
