@@ -19,12 +19,11 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+from eagle_trt.runtime.sessions import make_session  # noqa: E402
 
-def session(path: Path, threads: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.force_spinning_stop", "1")
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+FLOOR = "weight MatMuls only"
 
 
 def matmul_floor(graph: Path, folder: Path) -> Path:
@@ -84,13 +83,14 @@ def main(argv=None) -> int:
             print(f"error: {g}: no such graph", file=sys.stderr)
             return 2
     with tempfile.TemporaryDirectory() as tmp:
-        sessions = {str(g): session(g, args.threads) for g in args.graphs}
+        # the runtime's sessions: its optimization level and threads waiting as in a decoding call
+        sessions = {str(g): make_session(g, args.threads) for g in args.graphs}
         if args.floor:
-            sessions["weight MatMuls only"] = session(matmul_floor(args.graphs[0], Path(tmp)), args.threads)
+            sessions[FLOOR] = make_session(matmul_floor(args.graphs[0], Path(tmp)), args.threads)
         for tokens in (int(t) for t in args.tokens.split(",")):
             calls = {}
             for name, s in sessions.items():
-                feeds = target_feeds(s, tokens, args.context) if name in map(str, args.graphs) else \
+                feeds = target_feeds(s, tokens, args.context) if name != FLOOR else \
                     {"x": np.random.default_rng(0).standard_normal((1, tokens, s.get_inputs()[0].shape[2]),
                                                                    dtype=np.float32)}
                 calls[name] = (s, [s.get_outputs()[0].name], feeds)
