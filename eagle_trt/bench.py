@@ -192,6 +192,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the ONNX Runtime target graph's weights: float32 (the exported graph) or int4 (4-bit "
                         "MatMulNBits blocks of 32, made by ONNX Runtime's quantizer: export/cpu_int4.py; plain and "
                         "speculative rows both run it, and 'same' compares them with each other, not transformers)")
+    p.add_argument("--attention", choices=("portable", "fused"), default="portable",
+                   help="the ONNX Runtime target graph's attention: portable (plain ONNX ops, what TensorRT parses) "
+                        "or fused (each layer's attention one GroupQueryAttention, ONNX Runtime's CPU contrib "
+                        "operator, the KV caches written in place: export/cpu_attention.py; float32 target only)")
     add_device_options(p)
     p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
                    help="ONNX Runtime speculative decoding with drafting and verification in one graph call (the "
@@ -238,6 +242,12 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
         if not names and not levels:
             raise ConfigError("nothing to measure: give --workloads or --concurrency")
+        if args.attention == "fused" and (args.target_weights != "float32" or args.build is not None):
+            raise ConfigError("--attention fused: the fused-attention target graph is made from the float32 target "
+                              "graph (drop --target-weights int4 / --build)")
+        if args.attention == "fused" and args.concurrency:
+            raise ConfigError("--attention fused: the fused-attention target graph verifies one sequence a call "
+                              "(ONNX Runtime's GroupQueryAttention CPU kernel); measure --concurrency on the portable one")
         if args.peers not in ("", "llama.cpp"):
             raise ConfigError(f"--peers {args.peers!r}: the peer known is llama.cpp")
         if sampling is not None and levels:
@@ -357,7 +367,8 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     if built:
         target_graph = built["graphs"]["target"]
     else:
-        target_name = {"float32": "target", "int4": "target_int4"}[args.target_weights]
+        target_name = "target_fused" if args.attention == "fused" else \
+            {"float32": "target", "int4": "target_int4"}[args.target_weights]
         target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
                            threads=threads, precision=precision).target
@@ -405,6 +416,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": built["precision"].get("drafter_tree") if built else args.drafter_weights,
               "target_weights": built["precision"].get("target") if built else args.target_weights,
+              "attention": args.attention,
               "build": str(args.build) if built else None,
               "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
@@ -412,7 +424,8 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    print(f"\n{report['target_weights']} target, {report['drafter_variant']} drafter ({report['drafter_weights']} weights"
+    fused = ", fused attention" if args.attention == "fused" else ""
+    print(f"\n{report['target_weights']} target{fused}, {report['drafter_variant']} drafter ({report['drafter_weights']} weights"
           f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
           f"{args.max_new_tokens} new tokens, "
           f"{_decoding(sampling)}, {report['threads']} threads; 'same' = prompts where all three outputs are identical")

@@ -20,6 +20,10 @@ drafter tree:  captured [B,T,A*Ht], input_ids [B,T] i64, past_key, past_value [B
 drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,T,P+T], past_key,
                past_value -> logits [1,T,Vd], feedback [1,T,H], new_key, new_value
                (W = A*Ht for the first step, which applies fc; W = H for later steps)
+target, fused attention (export/cpu_attention.py, ONNX Runtime's CPU provider): the target's
+               inputs, with past_key_{i}, past_value_{i} [B,Hkv,S,D] each sequence's whole block of
+               S cache rows; present_key_{i}, present_value_{i} (the same memory, written in place:
+               a sequence's new rows right after its committed ones) instead of new_key_{i}, new_value_{i}
 iteration:     the drafter tree graph's names prefixed with PREFIX, then the target graph's, plus
                VERIFY_NODES in and HANDOFF out (export/iteration.py)
 """
@@ -43,8 +47,10 @@ VERIFY_NODES = "verify_nodes"   # [1] i64: how many of the tree's best nodes the
 DRAFTER_KV_NAMES = ("past_key", "past_value", "new_key", "new_value")
 
 
-def target_kv_names(num_layers: int) -> list[tuple[str, str, str, str]]:
-    return [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}") for i in range(num_layers)]
+def target_kv_names(num_layers: int, in_place: bool = False) -> list[tuple[str, str, str, str]]:
+    """in_place: the fused-attention graph's, whose outputs are the caches written in place."""
+    new = "present" if in_place else "new"
+    return [(f"past_key_{i}", f"past_value_{i}", f"{new}_key_{i}", f"{new}_value_{i}") for i in range(num_layers)]
 
 
 def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:

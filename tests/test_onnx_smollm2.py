@@ -1,7 +1,7 @@
 """The exported graphs of the real SmolLM2 target: parity with PyTorch, and greedy generation
 on ONNX Runtime token-identical to transformers' generate on MT-bench prompts: the first 8 one
 at a time (64 tokens each), then all 20 continuously batched with mixed limits (64, 55 and 46
-tokens; conftest.check_planted_greedy)."""
+tokens; conftest.check_planted_greedy), on the portable target graph and on the fused-attention one."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ from eagle_trt.api import Models
 from eagle_trt.checkpoints import random_drafter
 from eagle_trt.config import TreeShape
 from eagle_trt.export import export_drafter_tree
+from eagle_trt.export.cpu_attention import fuse_attention
 from eagle_trt.generate import main as generate_main
 from eagle_trt.parity import run_parity
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
@@ -63,6 +64,19 @@ def test_onnxruntime_greedy_equals_transformers_generate(smollm2, drafters, targ
     # Then the same prompts continuously batched: 3 at a time (chain), 8 at a time (tree).
     check_planted_greedy(OrtTarget(target_graph, smollm2.config.max_position_embeddings), OrtDrafter(tree_graph, shape),
                          mtbench_ids, hf_greedy, smollm2.config.eos_token_ids, batch=3 if shape_name == "chain" else 8)
+
+
+def test_fused_attention_graph_greedy_equals_transformers_generate(smollm2, drafters, target_graph, mtbench_ids,
+                                                                   hf_greedy, tmp_path):
+    """The fused-attention target graph (export/cpu_attention.py): ONNX Runtime's GroupQueryAttention
+    with the caches written in place, tree verification through its attention bias; one sequence at
+    a time (the operator's CPU kernel verifies one sequence a call), the first 8 prompts."""
+    fused = tmp_path / "target_fused.onnx"
+    fuse_attention(target_graph, fused, smollm2.config)
+    shape = SHAPES["tree"]
+    tree_graph = export_drafter_tree(drafters["eagle3.1"], shape, tmp_path / "tree.onnx").path
+    check_planted_greedy(OrtTarget(fused, smollm2.config.max_position_embeddings), OrtDrafter(tree_graph, shape),
+                         mtbench_ids[:8], hf_greedy[:8], smollm2.config.eos_token_ids)
 
 
 def test_generate_cli_onnxruntime_backend(tmp_path, capsys, smollm2_onnx_dir):

@@ -15,6 +15,7 @@ import torch
 
 from ..codehash import code_digest
 from ..config import TreeShape
+from .cpu_attention import fuse_attention
 from .cpu_int4 import quantize_int4
 from .cpu_int8 import quantize_int8
 from .iteration import ITERATION_FORMAT, compose_iteration
@@ -35,6 +36,7 @@ GRAPH_FORMAT = 8
 # The code each kind of graph is made by: its hash is part of every cached graph's key (codehash.py)
 EXPORTER, INT8_WEIGHTS, COMPOSER = "eagle_trt.export.onnx_export", "eagle_trt.export.cpu_int8", "eagle_trt.export.iteration"
 INT4_WEIGHTS = "eagle_trt.export.cpu_int4"
+FUSED_ATTENTION = "eagle_trt.export.cpu_attention"
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -57,10 +59,11 @@ def _files_stamp(folder: Path, name: str | None = None) -> list:
             if f.is_file() and name in (None, f.name)]
 
 
-def _quantized(quantize, src: Path, dst: Path) -> ExportedGraph:
-    """The int8- or int4-weight copy of a graph (cpu_int8.py, cpu_int4.py), with its time and ops for the log."""
+def _rewritten(rewrite, src: Path, dst: Path, *args) -> ExportedGraph:
+    """A CPU variant of a graph (the int8 or int4 weights of cpu_int8.py / cpu_int4.py, the fused
+    attention of cpu_attention.py), with its time and ops for the log."""
     start = time.perf_counter()
-    quantize(src, dst)
+    rewrite(src, dst, *args)
     model = onnx.load(str(dst), load_external_data=False)
     return ExportedGraph(dst, time.perf_counter() - start, sorted({n.op_type for n in model.graph.node}))
 
@@ -75,7 +78,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     """Export target (with greedy acceptance) + drafter-tree graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
     may name `drafter_tree_int8` (the tree graph with int8 weights), `target_int4` (the target
-    graph with 4-bit weights) and `iteration` /
+    graph with 4-bit weights), `target_fused` (the target graph with ONNX Runtime's fused
+    attention) and `iteration` /
     `iteration_int8` (target and drafter tree graph composed into one, export/iteration.py;
     with the target graph at `target_graph` where given, else out_dir's), made only when asked for.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
@@ -98,12 +102,18 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     if only is not None and "target_int4" in only:
         # asked for only: the target graph with 4-bit MatMulNBits weights, for ONNX Runtime on the CPU (cpu_int4.py)
         jobs["target_int4"] = (dict(base, weights="int4", int4_code=code_digest(INT4_WEIGHTS)),
-                               lambda p: _quantized(quantize_int4, out_dir / "target.onnx", p))
+                               lambda p: _rewritten(quantize_int4, out_dir / "target.onnx", p))
         only = (*only, "target")     # quantized from it
+    if only is not None and "target_fused" in only:
+        # asked for only: the target graph with ONNX Runtime's fused attention, for its CPU provider (cpu_attention.py)
+        jobs["target_fused"] = (dict(base, attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
+                                lambda p: _rewritten(fuse_attention, out_dir / "target.onnx", p,
+                                                     models.target.config))
+        only = (*only, "target")     # rewritten from it
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8", int8_code=code_digest(INT8_WEIGHTS)),
-                                     lambda p: _quantized(quantize_int8, out_dir / "drafter_tree.onnx", p))
+                                     lambda p: _rewritten(quantize_int8, out_dir / "drafter_tree.onnx", p))
         only = (*only, "drafter_tree")     # quantized from it
     target_path = Path(target_graph) if target_graph is not None else out_dir / "target.onnx"
     for name, drafter in iterations:

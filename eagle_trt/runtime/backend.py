@@ -37,8 +37,11 @@ class _Batched:
     are masked), at any batch size: the bound shapes then change only when the cache grows (every
     CHUNK rows), so a backend can keep its bindings from call to call. PyTorch takes a strided
     view: width = longest past. Either way a call whose sequences have no committed rows (a
-    prefill) binds width 0."""
+    prefill) binds width 0, except where the graph writes its new rows into the past it is given
+    (`in_place`: the fused-attention target graph, export/cpu_attention.py), which always binds
+    every row."""
     contiguous_past = True
+    in_place = False
     cache: KVCache | None = None
 
     def _new_cache(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
@@ -86,7 +89,7 @@ class _Batched:
         # rows of a cache that other sequences have grown (a TensorRT prefill profile stops at
         # its max_past, and those rows would only be read to be masked).
         longest = max(committed)
-        width = self.cache.capacity if self.contiguous_past and longest else longest
+        width = self.cache.capacity if self.contiguous_past and (longest or self.in_place) else longest
         return slots, committed, width
 
     def _past(self, slots: range, width: int, layer: int) -> tuple[Tensor, Tensor]:

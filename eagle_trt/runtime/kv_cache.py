@@ -21,7 +21,12 @@ let go). Allocating and zeroing a new cache at each
 change was most of the host work of a continuously batched run (8 streams: every join, every
 chunk of rows and every fresh start copied the whole cache). Rows past a sequence's length
 are masked but must be finite (a masked probability 0 times NaN is NaN): they hold zeros or
-rows the graphs wrote earlier, never uninitialised memory."""
+rows the graphs wrote earlier, never uninitialised memory.
+
+in_place: the graph writes its new rows straight into the bound cache, right after each
+sequence's committed rows (the fused-attention target graph, export/cpu_attention.py); `commit`
+then moves the accepted rows down over the rejected ones inside the cache (host numpy caches
+only), and `write` is given nothing."""
 from __future__ import annotations
 
 import itertools
@@ -66,6 +71,7 @@ class KVCache:
         self.staged = 0                       # rows staged per sequence by the last forward
         self.staged_slots = range(0)
         self.new_rows: Tensor | np.ndarray | None = None   # the last forward's K and V rows [2, L, b, Hkv, T, D]
+        self.in_place = False                 # the graph stages its rows inside the cache (module docstring)
 
     def _allocate(self, batch: int, rows: int) -> None:
         """Lay the cache out as [L, batch, Hkv, rows, D], keeping every committed row: in place
@@ -219,6 +225,9 @@ class KVCache:
             raise ValueError(f"commit got rows for {len(rows)} sequences, {len(slots)} were staged")
         if any(seq and not 0 <= min(seq) <= max(seq) < self.staged for seq in rows):   # every row, in C
             raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
+        if self.in_place:
+            self._commit_in_place(slots, rows)
+            return
         if self.new_rows is None:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
         new = self.new_rows
@@ -248,6 +257,21 @@ class KVCache:
             self.kv.view(2 * L, -1, D).index_copy_(1, dst.view(-1), kept)
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
+        self.staged, self.staged_slots, self.new_rows = 0, range(0), None
+
+
+    def _commit_in_place(self, slots: range, rows: list[list[int]]) -> None:
+        """The staged rows sit at each sequence's length + row: the accepted ones move down to
+        length + j (a run at most as far as its own offset, so a run's copy may overlap itself,
+        which numpy copies through a temporary), one numpy slice copy per run that moves."""
+        if self.kv_np is None:
+            raise RuntimeError("an in-place KV cache commits through numpy: a host cache of float32 or float16")
+        for b, seq in zip(slots, rows):
+            at, kv_b = self.lengths[b], self.kv_np[:, :, b]
+            for j, r in _runs(seq):
+                if r[0] != j:
+                    kv_b[:, :, :, at + j:at + j + len(r)] = kv_b[:, :, :, at + r[0]:at + r[0] + len(r)]
+            self.lengths[b] += len(seq)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
 
 

@@ -119,11 +119,19 @@ class OrtTarget(_Timed, TargetBackend):
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.logits_dtype, self.captured_dtype = (TORCH_DTYPES[outputs[n].type] for n in ("logits", "captured"))
         self.vocab_size, self.captured_width = int(outputs["logits"].shape[-1]), int(outputs["captured"].shape[-1])
-        self.bindings = Bindings(self.session, [target_kv_names(self.num_layers)], self._buffers, self._width_buffers)
+        # the fused-attention graph (export/cpu_attention.py) writes its new KV rows into the
+        # past it is bound to: its present outputs are the cache itself, committed in place
+        self.in_place = "present_key_0" in outputs
+        if self.in_place and (self.kv_device.type != "cpu" or self.dtype not in (torch.float32, torch.float16)):
+            raise ValueError(f"{path}: the fused-attention target graph keeps its KV cache in host memory "
+                             f"(float32), not {self.kv_device} / {self.dtype}")
+        names = target_kv_names(self.num_layers, self.in_place)
+        self.bindings = Bindings(self.session, [names], self._buffers, self._width_buffers, in_place=self.in_place)
         self.graph_accepts = set(ACCEPT_OUTPUTS) <= set(outputs)   # graphs exported before format 5 do not
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.kv_device)
+        self.cache.in_place = self.in_place
 
     def forward(self, input_ids, positions, mask, slots=None, last_only=False):
         B, T = input_ids.shape
@@ -156,7 +164,16 @@ class OrtTarget(_Timed, TargetBackend):
         bound.buffers["tree_mask"] = mask[:, :, width:]   # a view verify returns (not bound)
         bound.mask_lengths = None                          # a new buffer: verify writes all of it
 
+    def _check_batch(self, slots: range, T: int) -> None:
+        """ONNX Runtime's GroupQueryAttention CPU kernel takes several new rows after a past only
+        at batch 1: the fused-attention graph verifies and prefills one sequence a call."""
+        if self.in_place and T > 1 and len(slots) > 1:
+            raise ValueError(f"the fused-attention target graph takes {T} new rows for one sequence a call, not "
+                             f"{len(slots)} (ONNX Runtime's GroupQueryAttention CPU kernel): decode batches on the "
+                             f"portable target graph")
+
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
+        self._check_batch(slots, int(input_ids.shape[1]))
         bound = self.bindings.get(slots, [(self.cache, int(input_ids.shape[1]), width)], int(logits_index.shape[0]))
         bound.feed(input_ids=input_ids, position_ids=positions, attention_mask=mask)
         bound.mask_lengths = None       # the whole mask written: verify's next call rewrites it all too
@@ -192,6 +209,7 @@ class OrtTarget(_Timed, TargetBackend):
         if T < self.min_rows:                     # padded rows: the general path
             return super().verify(roots, tree)
         slots, lengths, width = self._stage(None, T)
+        self._check_batch(slots, T)
         bound = self.bindings.get(slots, [(self.cache, T, width)], T)
         a = bound.arrays
         ids, positions, mask = a["input_ids"], a["position_ids"], a["attention_mask"]
@@ -306,8 +324,11 @@ class OrtIteration(_Timed):
         self.has_handoff = set(HANDOFF) <= {o.name for o in self.session.get_outputs()}
         self.handoff = handoff and self.has_handoff
         self.handoffs = 0     # calls whose drafter inputs were the last call's hand-off, in place
-        names = [target_kv_names(target.num_layers), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
-        self.bindings = Bindings(self.session, names, self._buffers, twin=self.has_handoff)
+        names = [target_kv_names(target.num_layers, target.in_place), [tuple(PREFIX + n for n in DRAFTER_KV_NAMES)]]
+        if target.in_place != any(o.name == "present_key_0" for o in self.session.get_outputs()):
+            raise ValueError(f"{path}: composed from {'a portable' if target.in_place else 'the fused-attention'} "
+                             f"target graph, but the target backend runs the other: compose it from the target's graph")
+        self.bindings = Bindings(self.session, names, self._buffers, twin=self.has_handoff, in_place=target.in_place)
         self.handoff_buffers: dict[tuple[int, int], tuple] = {}   # (batch, rows) -> (pairs, numpy views, turns)
 
     def __copy__(self):
@@ -363,6 +384,7 @@ class OrtIteration(_Timed):
         rows = max(Tp, self.min_rows)
         slots, drafted, d_width = d._stage(slots, rows)
         slots, committed, t_width = t._stage(slots, T)
+        t._check_batch(slots, T)
         bound = self.bindings.get(slots, [(t.cache, T, t_width), (d.cache, rows, d_width)])
         side = bound.binding.side if self.has_handoff else 0
         given_states, given_ids = bound.handoff[side]    # the drafter inputs this call reads

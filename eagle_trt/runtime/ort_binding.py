@@ -117,17 +117,19 @@ class TwinBinding:
         self.sides[self.side].refresh()
 
 
-def bind_past(binding: Binding | TwinBinding, cache, slots: range, width: int, layer: int, names: tuple[str, str]) -> None:
+def bind_past(binding: Binding | TwinBinding, cache, slots: range, width: int, layer: int, names: tuple[str, ...]) -> None:
     """Bind the past rows of `layer` in place: [b, Hkv, width, D] of the cache's own memory, by
     address (a block of slots is contiguous when width is every row of the cache, as a
-    contiguous-past backend binds it, or empty, as a prefill does)."""
+    contiguous-past backend binds it, or empty, as a prefill does). names: (past key, past
+    value), and for a graph that writes its new rows into the past (in place) its present key
+    and value outputs, bound to the same memory."""
     _, L, B, H, S, D = cache.shape
     if width not in (0, S):
         raise ValueError(f"a past of {width} of the cache's {S} rows is not contiguous: bind all or none")
     size = cache.kv.element_size()
     for kv, name in enumerate(names):
-        at = cache.kv.data_ptr() + (((kv * L + layer) * B + slots.start) * H * S * D) * size
-        binding.bind(name, cache.kv, [len(slots), H, width, D], at)
+        at = cache.kv.data_ptr() + (((kv % 2 * L + layer) * B + slots.start) * H * S * D) * size
+        binding.bind(name, cache.kv, [len(slots), H, width, D], at, output=kv >= 2)
 
 
 class Bound:
@@ -201,11 +203,14 @@ class Bindings:
     kept, so they do not push out the decoding shapes (8 continuously batched streams meet
     ~40: batch 1-8 x 1-5 rows as the cost model varies the nodes). kv_names: per cache layer, the
     graph's (past key, past value, new key, new value) names. buffers(bound, b, T, *extra)
-    makes the other buffers."""
+    makes the other buffers. in_place: the first cache's graph writes its new rows into its past
+    (the fused-attention target graph): its new key / value outputs are bound to the past's
+    memory, and it has no staging block (Bound.staged None)."""
 
     def __init__(self, session: ort.InferenceSession, kv_names: list[list[tuple[str, str, str, str]]], buffers,
-                 width_buffers=None, keep: int = 16, keep_rows: int = 16, twin: bool = False):
+                 width_buffers=None, keep: int = 16, keep_rows: int = 16, twin: bool = False, in_place: bool = False):
         self.session, self.kv_names, self.keep, self.keep_rows = session, kv_names, keep, keep_rows
+        self.in_place = in_place
         self.twin = twin                      # TwinBinding entries (OrtIteration's hand-off)
         self.make_buffers, self.make_width_buffers = buffers, width_buffers
         self.entries: dict[tuple, Bound] = {}
@@ -213,7 +218,7 @@ class Bindings:
 
     def empty_copy(self) -> "Bindings":
         return Bindings(self.session, self.kv_names, self.make_buffers, self.make_width_buffers, self.keep,
-                        self.keep_rows, self.twin)
+                        self.keep_rows, self.twin, self.in_place)
 
     def get(self, slots: range, caches: list[tuple], *extra: int) -> Bound:
         """The binding of a call over `slots` with, per KV cache the graph reads (kv_names' order),
@@ -225,7 +230,10 @@ class Bindings:
             if len(self.entries) >= self.keep:
                 self.entries.pop(next(iter(self.entries)))
             binding, stagings = (TwinBinding if self.twin else Binding)(self.session), []
-            for (cache, T, _), names in zip(caches, self.kv_names):
+            for c, ((cache, T, _), names) in enumerate(zip(caches, self.kv_names)):
+                if self.in_place and c == 0:     # written into the past, bound with it below
+                    stagings.append(None)
+                    continue
                 _, _, _, H, _, D = cache.shape
                 staging = torch.empty((2, len(names), len(slots), H, T, D), dtype=cache.dtype, device=cache.kv.device)
                 shape, at, step = [len(slots), H, T, D], staging.data_ptr(), staging[0, 0].nbytes
@@ -239,10 +247,10 @@ class Bindings:
         if entry.layout != layout:      # a new entry, or a cache re-laid out since its last call
             self.rebound += 1
             old = entry.layout or (None,) * len(caches)
-            for (cache, _, width), names, now, was in zip(caches, self.kv_names, layout, old):
+            for c, ((cache, _, width), names, now, was) in enumerate(zip(caches, self.kv_names, layout, old)):
                 if now != was:          # only the caches that moved: the target's 2L pasts stay bound
-                    for i, (past_k, past_v, _, _) in enumerate(names):   # when the drafter's grows
-                        bind_past(entry.binding, cache, slots, width, i, (past_k, past_v))
+                    for i, kv in enumerate(names):   # when the drafter's grows
+                        bind_past(entry.binding, cache, slots, width, i, kv if self.in_place and c == 0 else kv[:2])
             if self.make_width_buffers is not None and layout[0] != old[0]:
                 _, T, width = caches[0]
                 self.make_width_buffers(entry, len(slots), T, width)

@@ -1,0 +1,228 @@
+"""A target graph whose attention is ONNX Runtime's fused `GroupQueryAttention`, for its CPU provider.
+
+The portable target graph writes each layer's attention from plain ops (RoPE, two score
+MatMuls, the mask, softmax, two weighted sums and the reshapes between), ~25 nodes a layer.
+On a 2-core CPU those small nodes cost ~1-2 us each in place, ~2.5 ms of a 12 ms SmolLM2 step
+against ~0.7 ms for the fused operator (docs/benchmarks.md, "Against llama.cpp"). This graph is
+the portable one with every layer's attention (from the q / k / v projections to the o
+projection's input) replaced by one `com.microsoft.GroupQueryAttention`, as onnxruntime-genai's
+CPU models are written:
+
+- RoPE inside the operator (do_rotary, the graph's position_ids, so tree rows get their depth's
+  position), from cos / sin tables of max_position_embeddings rows made by the model's own
+  RotaryEmbedding (YaRN's attention factor included); NoPE layers rotate nothing.
+- The KV caches in place: input past_key_i is the cache's whole block of rows [B, Hkv, S, D]
+  and output present_key_i the same memory (the runtime binds both to it), so the operator
+  writes each sequence's new rows right after its committed ones and copies nothing. Rows a
+  verification rejects are overwritten or moved by the commit (KVCache.commit, in_place).
+- The mask from the same attention_mask input as the portable graph ([B, T, S + T]: committed
+  rows, then the tree): each sequence's committed length is counted from it, and the tree part is
+  moved to the columns where the new rows now are, as the operator's additive attention_bias.
+
+The runtime feeds it exactly what it feeds the portable graph; only where the new rows go
+differs (runtime/onnxruntime_backend.py). ONNX Runtime only (a contrib operator), fp32 (the
+operator's CPU kernel), head_dim a multiple of 16 (the kernel's). Refused, with the reason:
+q / k norm (Qwen3) and sliding-window layers (Mistral), which this rewrite does not map."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ..config import TargetConfig
+from ..graph_names import target_kv_names
+from ..models.target import RotaryEmbedding
+from .graph_files import rewrite_graph
+
+GQA = "GroupQueryAttention"
+
+
+class FusedAttentionError(ValueError):
+    pass
+
+
+def rope_tables(cfg: TargetConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_position_embeddings, D/2] for the operator's rotary (non-interleaved:
+    x1 cos - x2 sin, x2 cos + x1 sin), from RotaryEmbedding, so each position's values are the
+    portable graph's (attention factor included)."""
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    with torch.no_grad():
+        cos, sin_signed = rope(torch.arange(cfg.max_position_embeddings)[None], torch.float32)
+    half = cfg.head_dim // 2
+    return cos[0, :, 0, :half].numpy().copy(), (-sin_signed[0, :, 0, :half]).numpy().copy()
+
+
+def check_fusable(cfg: TargetConfig, where: str) -> None:
+    arch = cfg.arch
+    reasons = []
+    if arch.qk_norm:
+        reasons.append("q / k RMSNorm before RoPE (Qwen3)")
+    if arch.sliding_layers:
+        reasons.append(f"sliding-window layers {list(arch.sliding_layers)[:4]}")
+    if cfg.head_dim % 16:
+        reasons.append(f"head_dim {cfg.head_dim} (the operator's CPU kernel takes multiples of 16)")
+    if reasons:
+        raise FusedAttentionError(f"{where}: the fused-attention target graph does not map "
+                                  f"{'; '.join(reasons)}; use the portable target graph")
+
+
+def _mask_nodes() -> tuple[list, list]:
+    """Nodes, shared by every layer, that turn attention_mask [B, T, S + T] into the operator's
+    inputs: seqlens_k [B] (committed + T - 1, int32), total_sequence_length (S, the cache rows)
+    and attention_bias [B, 1, T, S] (0 where visible, -inf elsewhere; the tree's columns moved to
+    each sequence's new rows)."""
+    def c(name, values, dtype=np.int64):
+        return numpy_helper.from_array(np.array(values, dtype=dtype), f"fused_attention/{name}")
+    consts = [c("zero", [0]), c("two", [2]), c("big", [1 << 40]), c("axis1", [1]), c("axes2", [2]), c("one", 1),
+              c("zero_s", 0), c("neg_inf", -np.inf, np.float32), c("zero_f", 0.0, np.float32), c("minus1", [-1])]
+    k = "fused_attention/"
+    n = helper.make_node
+    nodes = [
+        n("Shape", ["past_key_0"], [k + "S1"], start=2, end=3),                               # [S]
+        n("Slice", ["attention_mask", k + "zero", k + "S1", k + "two"], [k + "committed"]),     # [B, T, S]
+        n("Slice", ["attention_mask", k + "S1", k + "big", k + "two"], [k + "tree"]),           # [B, T, T]
+        n("Shape", ["attention_mask"], [k + "T1"], start=1, end=2),                            # [T]
+        n("Gather", [k + "committed", k + "zero_s"], [k + "row0"], axis=1),                    # [B, S]
+        n("Cast", [k + "row0"], [k + "row0_i"], to=TensorProto.INT64),
+        n("ReduceSum", [k + "row0_i", k + "minus1"], [k + "lengths"], keepdims=0),             # [B]
+        n("Add", [k + "lengths", k + "T1"], [k + "ends"]),
+        n("Sub", [k + "ends", k + "one"], [k + "seqlens64"]),
+        n("Cast", [k + "seqlens64"], ["fused_attention/seqlens_k"], to=TensorProto.INT32),
+        n("Cast", [k + "S1"], ["fused_attention/total_sequence_length"], to=TensorProto.INT32),
+        n("Squeeze", [k + "S1"], [k + "S"]),
+        n("Range", [k + "zero_s", k + "S", k + "one"], [k + "columns"]),                       # [S]
+        n("Unsqueeze", [k + "lengths", k + "axis1"], [k + "lengths_col"]),                     # [B, 1]
+        n("Sub", [k + "columns", k + "lengths_col"], [k + "rel"]),                             # [B, S]: column - committed
+        n("Sub", [k + "T1", k + "one"], [k + "last"]),
+        n("Max", [k + "rel", k + "zero_s"], [k + "rel_low"]),
+        n("Min", [k + "rel_low", k + "last"], [k + "index"]),                                  # [B, S] in 0..T-1
+        n("Unsqueeze", [k + "index", k + "axis1"], [k + "index_row"]),                         # [B, 1, S]
+        n("Shape", [k + "committed"], [k + "BTS"]),
+        n("Expand", [k + "index_row", k + "BTS"], [k + "index_all"]),                          # [B, T, S]
+        n("GatherElements", [k + "tree", k + "index_all"], [k + "tree_moved"], axis=2),         # [B, T, S]
+        n("GreaterOrEqual", [k + "rel", k + "zero_s"], [k + "after"]),
+        n("Less", [k + "rel", k + "T1"], [k + "before_end"]),
+        n("And", [k + "after", k + "before_end"], [k + "new_column"]),                         # [B, S]
+        n("Unsqueeze", [k + "new_column", k + "axis1"], [k + "new_column_row"]),
+        n("And", [k + "new_column_row", k + "tree_moved"], [k + "tree_visible"]),
+        n("Or", [k + "committed", k + "tree_visible"], [k + "visible"]),     # committed: only columns < length
+        n("Where", [k + "visible", k + "zero_f", k + "neg_inf"], [k + "bias3"]),
+        n("Unsqueeze", [k + "bias3", k + "axis1"], ["fused_attention/attention_bias"]),       # [B, 1, T, S]
+    ]
+    return nodes, consts
+
+
+def _last_output(nodes, prefix: str, where: str) -> str:
+    named = [n for n in nodes if n.name.startswith(prefix)]
+    if not named:
+        raise FusedAttentionError(f"{where}: no node named {prefix}*: not a target graph of eagle_trt's export")
+    return named[-1].output[0]
+
+
+def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph") -> dict:
+    """Rewrite `model` (the portable target graph, its weights not loaded) in place."""
+    check_fusable(cfg, where)
+    g = model.graph
+    inputs = {i.name: i for i in g.input}
+    if "past_key_0" not in inputs or not any(o.name == "new_key_0" for o in g.output):
+        raise FusedAttentionError(f"{where}: not a portable target graph (no past_key_0 / new_key_0)")
+    nodes = list(g.node)
+    mask_nodes, consts = _mask_nodes()
+    cos, sin = rope_tables(cfg)
+    consts += [numpy_helper.from_array(cos, "fused_attention/cos_cache"),
+               numpy_helper.from_array(sin, "fused_attention/sin_cache")]
+    fused = []
+    kv_names = target_kv_names(cfg.num_hidden_layers, in_place=True)
+    for layer, (past_k, past_v, present_k, present_v) in enumerate(kv_names):
+        scope = f"/model/layers.{layer}/self_attn/"
+        q, k, v = (_last_output(nodes, f"{scope}{p}_proj/", where) for p in "qkv")
+        o_proj = [n for n in nodes if n.name.startswith(f"{scope}o_proj/") and n.op_type in ("MatMul", "Gemm")]
+        if not o_proj:
+            raise FusedAttentionError(f"{where}: layer {layer} has no o_proj MatMul")
+        out = f"{scope}{GQA}_output_0"
+        fused.append(helper.make_node(
+            GQA, [q, k, v, past_k, past_v, "fused_attention/seqlens_k",
+                  "fused_attention/total_sequence_length", "fused_attention/cos_cache", "fused_attention/sin_cache",
+                  "position_ids", "fused_attention/attention_bias"],
+            [out, present_k, present_v], name=f"{scope}{GQA}", domain="com.microsoft",
+            num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads,
+            do_rotary=int(layer not in cfg.arch.nope_layers)))
+        o_proj[0].input[0] = out
+    kv_shape = ["batch", cfg.num_key_value_heads, "cache_rows", cfg.head_dim]
+    outputs = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
+    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape)
+                for names in kv_names for name in names[2:]]
+    for i in g.input:              # the past inputs are the caches' whole blocks of rows
+        if i.name.startswith("past_"):
+            for d, size in zip(i.type.tensor_type.shape.dim, kv_shape):
+                if isinstance(size, str):
+                    d.dim_param = size
+    # the portable attention's nodes go: keep what the outputs read, in order
+    order = nodes + mask_nodes + fused
+    needed = {o.name for o in outputs}
+    producers = {o: n for n in order for o in n.output}
+    kept = set()
+    stack = list(needed)
+    while stack:
+        node = producers.get(stack.pop())
+        if node is not None and id(node) not in kept:
+            kept.add(id(node))
+            stack.extend(i for i in node.input if i)
+    ordered = _topological([n for n in order if id(n) in kept], producers)
+    used = {i for n in ordered for i in n.input}
+    keep_init = [t for t in g.initializer if t.name in used]
+    del g.node[:]
+    g.node.extend(ordered)
+    del g.output[:]
+    g.output.extend(outputs)
+    del g.initializer[:]
+    g.initializer.extend(keep_init + [t for t in consts if t.name in used])
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return {"fused_layers": len(fused), "nodes": len(ordered)}
+
+
+def _topological(nodes: list, producers: dict) -> list:
+    """`nodes` with each after the producers of its inputs (the fused nodes were appended last)."""
+    position = {id(n): i for i, n in enumerate(nodes)}
+    done, order = set(), []
+    for root in nodes:
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if id(node) in done:
+                continue
+            if ready:
+                done.add(id(node))
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((producers[i], False) for i in node.input
+                         if i in producers and id(producers[i]) in position and id(producers[i]) not in done)
+    return order
+
+
+def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig) -> dict:
+    """Write the fused-attention copy of the portable target graph `src` to `dst` (atomically:
+    a failed run leaves no `dst`). Returns counts for the log."""
+    return rewrite_graph(src, dst, lambda model, _data: fuse(model, cfg, str(src)))
+
+
+def fused_feeds(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A portable target graph's feed (past [B, Hkv, P, D], mask [B, T, P + T]) made the fused
+    graph's: each past with T more rows for the operator to write the new ones into (zeros,
+    masked), the mask's committed part widened to match. The logits, captured states and
+    acceptance are then the portable graph's (parity compares them)."""
+    T = feed["input_ids"].shape[1]
+    out = dict(feed)
+    for name, past in feed.items():
+        if name.startswith("past_"):
+            B, H, _, D = past.shape
+            out[name] = np.concatenate([past, np.zeros((B, H, T, D), past.dtype)], axis=2)
+    mask = feed["attention_mask"]
+    P = mask.shape[2] - T
+    out["attention_mask"] = np.concatenate([mask[:, :, :P], np.zeros_like(mask[:, :, :T]), mask[:, :, P:]], axis=2)
+    return out

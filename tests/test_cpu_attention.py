@@ -1,0 +1,129 @@
+"""The fused-attention target graph (export/cpu_attention.py: each layer's attention one ONNX
+Runtime GroupQueryAttention, the KV caches written in place): one operator per layer and none of
+the portable attention's nodes; greedy decoding on it equals the PyTorch reference's, plainly,
+speculatively with two calls and with the iteration graph, one sequence and continuously batched;
+the in-place commit moves accepted rows down over rejected ones; what it does not map is refused.
+(On the real SmolLM2: test_onnx_smollm2.py.)"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import LIMITS, TINY_SHAPE, on_graph, two_call
+
+from eagle_trt.export.cpu_attention import FusedAttentionError, fuse_attention, rope_tables
+from eagle_trt.export.iteration import compose_iteration
+from eagle_trt.runtime.backend import TorchTarget
+from eagle_trt.runtime.kv_cache import KVCache
+from eagle_trt.runtime.loop import Request
+from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+
+
+@pytest.fixture(scope="module")
+def fused(tiny_graphs, tmp_path_factory):
+    """(fused target graph, its iteration graph with the tiny drafter tree graph)."""
+    target, _, graphs, _ = tiny_graphs
+    folder = tmp_path_factory.mktemp("fused")
+    path = folder / "target_fused.onnx"
+    counts = fuse_attention(graphs["target"], path, target.config)
+    assert counts["fused_layers"] == target.config.num_hidden_layers
+    return path, compose_iteration(path, graphs["drafter_tree"], folder / "iteration.onnx", tensorrt=False).path
+
+
+def _backends(tiny_graphs, fused_path):
+    target, _, graphs, _ = tiny_graphs
+    return (OrtTarget(fused_path, target.config.max_position_embeddings),
+            OrtDrafter(graphs["drafter_tree"], TINY_SHAPE))
+
+
+def test_each_layer_attention_is_one_operator(tiny_graphs, fused):
+    target, _, graphs, _ = tiny_graphs
+    model = onnx.load(str(fused[0]))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("GroupQueryAttention") == target.config.num_hidden_layers
+    assert "Softmax" not in ops                      # the portable attention is gone
+    assert len(ops) < 0.6 * len(onnx.load(str(graphs["target"])).graph.node)
+    outputs = {o.name for o in model.graph.output}
+    assert "present_key_0" in outputs and "new_key_0" not in outputs
+
+
+def test_rope_tables_are_the_models_cos_and_sin(tiny_target):
+    cfg = tiny_target.config
+    cos, sin = rope_tables(cfg)
+    assert cos.shape == sin.shape == (cfg.max_position_embeddings, cfg.head_dim // 2)
+    angles = torch.arange(cfg.max_position_embeddings).float()[:, None] * tiny_target.model.rope.inv_freq
+    np.testing.assert_allclose(cos, angles.cos().numpy(), atol=1e-6)
+    np.testing.assert_allclose(sin, angles.sin().numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["plain", "two calls", "iteration graph"])
+def test_greedy_decoding_on_the_fused_graph_equals_the_pytorch_reference(tiny_graphs, fused, engine):
+    target_model, _, _, prompts = tiny_graphs
+    target, drafter = _backends(tiny_graphs, fused[0])
+    reference = two_call(TorchTarget(target_model.model))
+    if engine == "iteration graph":
+        iteration = OrtIteration(fused[1], target, drafter)
+        decoder = on_graph(iteration)
+    else:
+        decoder = two_call(target, drafter if engine == "two calls" else None)
+    accepted = []
+    for p, n in zip(prompts[:6], LIMITS):
+        out = decoder.generate(p, n)
+        assert out.tokens == reference.generate(p, n).tokens
+        accepted += out.accept_lengths
+    if engine != "plain":
+        assert max(accepted) >= 2, "no draft was ever accepted: the in-place commit went untested"
+    if engine == "iteration graph":
+        assert iteration.graph_calls > 0
+
+
+def test_a_batch_of_several_rows_each_is_refused_with_the_reason(tiny_graphs, fused):
+    """ONNX Runtime's GroupQueryAttention CPU kernel takes several new rows after a past only at
+    batch 1; plain decoding steps (one row each) do batch."""
+    _, _, _, prompts = tiny_graphs
+    target, drafter = _backends(tiny_graphs, fused[0])
+    requests = [Request(p, n) for p, n in zip(prompts[:4], LIMITS)]
+    for decoder in (two_call(target, drafter), on_graph(OrtIteration(fused[1], target, drafter))):
+        with pytest.raises(ValueError, match="one sequence a call"):
+            decoder.generate_batch(requests, max_batch=3)
+    solo = [two_call(target).generate(p, n).tokens for p, n in zip(prompts, LIMITS)]
+    plain = two_call(target).generate_batch([Request(p, n) for p, n in zip(prompts, LIMITS)], max_batch=3)
+    assert [r.tokens for r in plain] == solo
+
+
+def test_in_place_commit_moves_accepted_rows_down():
+    cache = KVCache(num_layers=2, kv_heads=1, head_dim=2, capacity=16)
+    cache.in_place = True
+    cache.add()
+    cache.stage(range(1), 3)
+    cache.kv_np[:, :, 0, :, 0:3] = np.arange(3, dtype=np.float32)[:, None] + 1     # a prefill's rows, in place
+    cache.commit([[0, 1, 2]])
+    assert cache.lengths == [3]
+    cache.stage(range(1), 6)
+    rows = np.arange(6, dtype=np.float32)[:, None] + 10                             # a tree's 6 rows at 3..8
+    cache.kv_np[:, :, 0, :, 3:9] = rows
+    cache.commit([[0, 2, 3, 5]])                                                    # root, then a path
+    assert cache.lengths == [7]
+    np.testing.assert_array_equal(cache.kv_np[0, 1, 0, 0, :7, 0], [1, 2, 3, 10, 12, 13, 15])
+    np.testing.assert_array_equal(cache.kv_np[1, 0, 0, 0, :7, 1], [1, 2, 3, 10, 12, 13, 15])
+
+
+def test_what_the_rewrite_does_not_map_is_refused(tiny_graphs, tmp_path):
+    target, _, graphs, _ = tiny_graphs
+    cfg = target.config
+    for arch, named in ((dataclasses.replace(cfg.arch, qk_norm=True), "q / k RMSNorm"),
+                        (dataclasses.replace(cfg.arch, sliding_window=8, sliding_layers=(1,)), "sliding-window")):
+        with pytest.raises(FusedAttentionError, match=named):
+            fuse_attention(graphs["target"], tmp_path / "t.onnx", dataclasses.replace(cfg, arch=arch))
+        assert not (tmp_path / "t.onnx").exists()        # nothing half-written
+    with pytest.raises(FusedAttentionError, match="not a portable target graph"):
+        fuse_attention(graphs["drafter_tree"], tmp_path / "t.onnx", cfg)
+
+
+def test_an_iteration_graph_of_the_other_target_graph_is_refused(tiny_graphs, fused, tiny_iteration_graph):
+    target, drafter = _backends(tiny_graphs, fused[0])
+    with pytest.raises(ValueError, match="composed from a portable target graph"):
+        OrtIteration(tiny_iteration_graph, target, drafter)
