@@ -120,14 +120,17 @@ BACKENDS = ("torch", "onnxruntime")
 
 def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, dtype: str | None = "float32",
                   log: TextIO | None = None, backend: str = "torch", onnx_dir: str | Path | None = None,
-                  device: str = "cpu", iteration_graph: bool = True, max_batch: int = 1) -> Pipeline:
+                  device: str = "cpu", iteration_graph: bool = True, max_batch: int = 1,
+                  attention: str = "portable") -> Pipeline:
     """backend 'torch' runs the PyTorch models on `device` (the fixed-shape engine,
     runtime/static.py: CUDA graphs on a GPU); 'onnxruntime' exports the target and the
     drafter-tree graphs into onnx_dir (default: a cache folder) and runs those on ONNX Runtime,
     on the CPU or (device 'cuda', with onnxruntime-gpu installed) its CUDA provider, with
     iteration_graph (the default, as the build serves) also the two composed into one graph
     called once an iteration (export/iteration.py); the drafter graph still encodes prompts.
-    max_batch: the sequences the torch engine lays its caches out for."""
+    max_batch: the sequences the torch engine lays its caches out for. attention 'fused': the
+    onnxruntime backend's target graph with ONNX Runtime's fused attention (export/cpu_attention.py;
+    the CPU provider, float32)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     providers = None
@@ -147,7 +150,8 @@ def load_pipeline(target_spec: str, drafter_path: str | None, shape: TreeShape, 
         if dtype not in ("float32", "float16"):
             raise ConfigError(f"the onnxruntime backend runs float32 or float16 graphs, not {dtype}")
         folder = Path(onnx_dir) if onnx_dir else cache_dir() / "onnx" / models.target.folder.name
-        engine = onnxruntime_backends(models, shape, folder, dtype, log, iteration_graph, providers).engine()
+        engine = onnxruntime_backends(models, shape, folder, dtype, log, iteration_graph, providers,
+                                      attention=attention).engine()
     decoder = DecodingLoop(engine, models.eos_ids, vocab_size=models.target.config.vocab_size)
     return Pipeline(models.target, models.drafter, models.drafter_source, models.tokenizer, decoder)
 
@@ -162,20 +166,32 @@ def ort_cuda_available() -> str | None:
 
 def onnxruntime_backends(models: Models, shape: TreeShape | None, folder: Path, dtype: str = "float32",
                          log: TextIO | None = None, iteration_graph: bool = True, providers: list[str] | None = None,
-                         kv_device: str | None = None, drafter_graph: str = "drafter_tree", **session):
+                         kv_device: str | None = None, drafter_graph: str = "drafter_tree",
+                         attention: str = "portable", **session):
     """ONNX Runtime backends (runtime/ort_engines.OrtBackends: `.engine()` decodes on them) on
     `models`' graphs in `folder` (exported there where not current), on ONNX Runtime's
     `providers` (default: the CPU's). shape None: the target alone (plain decoding);
     iteration_graph False: no iteration graph. kv_device: where the KV caches live
     (onnxruntime_backend.kv_device_for; None: on the GPU where the sessions run on CUDA and
     PyTorch has it). drafter_graph: 'drafter_tree', or 'drafter_tree_int8' (its int8 weights,
-    export/cpu_int8.py; the iteration graph composed of it). session: open_backends' options."""
+    export/cpu_int8.py; the iteration graph composed of it). attention: 'portable', or 'fused' (the
+    target graph with ONNX Runtime's fused attention, export/cpu_attention.py: the CPU provider,
+    float32, one sequence a call where a call has several rows). session: open_backends' options."""
     from .export import export_pipeline
     from .runtime.ort_engines import open_backends
+    if attention not in ("portable", "fused"):
+        raise ConfigError(f"attention must be 'portable' or 'fused', got {attention!r}")
+    if attention == "fused" and (dtype != "float32" or providers not in (None, ["CPUExecutionProvider"])):
+        raise ConfigError(f"the fused-attention target graph runs on ONNX Runtime's CPU provider in float32, "
+                          f"not {dtype} on {providers}")
+    target = "target_fused" if attention == "fused" else "target"
     iteration = {"drafter_tree": "iteration", "drafter_tree_int8": "iteration_int8"}[drafter_graph]
-    names = ("target",) if shape is None else ("target", drafter_graph) + ((iteration,) if iteration_graph else ())
+    names = (target,) if shape is None else (target, drafter_graph)
     graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names)
-    graphs = {"target": graphs["target"], "drafter_tree": graphs.get(drafter_graph), "iteration": graphs.get(iteration)}
+    if shape is not None and iteration_graph:      # composed with the target graph chosen
+        graphs.update(export_pipeline(models, shape, folder, dtype, log=log, only=(iteration,),
+                                      target_graph=graphs[target]))
+    graphs = {"target": graphs[target], "drafter_tree": graphs.get(drafter_graph), "iteration": graphs.get(iteration)}
     return open_backends({k: v for k, v in graphs.items() if v is not None}, shape,
                          models.target.config.max_position_embeddings, providers=providers, kv_device=kv_device,
                          **session)

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
                    help="onnxruntime: drafting and verification in one graph call an iteration (the drafter and "
                         "target graphs composed, as the build serves them; on, the default) or two (off)")
+    p.add_argument("--attention", choices=("portable", "fused"), default="portable",
+                   help="onnxruntime: the target graph's attention, portable ops (as TensorRT parses) or fused (ONNX "
+                        "Runtime's GroupQueryAttention CPU operator, the KV caches written in place: faster on a CPU; "
+                        "float32)")
     p.add_argument("--onnx-dir", default=None,
                    help="where the onnxruntime backend finds or exports its graphs (default: a cache folder)")
     return p
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed).validate()
         pipe = load_pipeline(args.target, args.drafter, shape, dtype=args.dtype, log=sys.stderr,
                              backend=args.backend, onnx_dir=args.onnx_dir, device=args.device,
-                             iteration_graph=args.iteration_graph == "on")
+                             iteration_graph=args.iteration_graph == "on", attention=args.attention)
         result = pipe.generate(args.prompt, args.max_new_tokens, sampling, chat=args.chat)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

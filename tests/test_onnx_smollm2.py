@@ -87,5 +87,8 @@ def test_generate_cli_onnxruntime_backend(tmp_path, capsys, smollm2_onnx_dir):
     assert all((tmp_path / "graphs" / f"{g}.onnx").is_file() for g in ("target", "drafter_tree", "iteration"))
     assert generate_main(args + ["--backend", "onnxruntime", "--iteration-graph", "off"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ort["tokens"]
+    assert generate_main(args + ["--backend", "onnxruntime", "--attention", "fused"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == ort["tokens"]
+    assert (tmp_path / "graphs" / "target_fused.onnx").is_file()
     assert generate_main(args + ["--backend", "torch"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ort["tokens"]

@@ -129,6 +129,8 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
     inputs = {i.name: i for i in g.input}
     if "past_key_0" not in inputs or not any(o.name == "new_key_0" for o in g.output):
         raise FusedAttentionError(f"{where}: not a portable target graph (no past_key_0 / new_key_0)")
+    if inputs["past_key_0"].type.tensor_type.elem_type != TensorProto.FLOAT:
+        raise FusedAttentionError(f"{where}: the fused-attention graph is made from a float32 target graph")
     nodes = list(g.node)
     mask_nodes, consts = _mask_nodes()
     cos, sin = rope_tables(cfg)
