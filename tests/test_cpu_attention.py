@@ -127,3 +127,26 @@ def test_an_iteration_graph_of_the_other_target_graph_is_refused(tiny_graphs, fu
     target, drafter = _backends(tiny_graphs, fused[0])
     with pytest.raises(ValueError, match="composed from a portable target graph"):
         OrtIteration(tiny_iteration_graph, target, drafter)
+
+
+def test_fused_graph_outputs_equal_the_portable_graphs_on_parity_feeds(tiny_graphs, fused):
+    """Parity's target feeds (a random past with a hole in the new rows' mask, prefills, real tree
+    verifications), made the fused graph's (fused_feeds: T more cache rows): logits, captured
+    states and the greedy acceptance equal the portable graph's within the fp32 floor."""
+    from eagle_trt.export.cpu_attention import fused_feeds
+    from eagle_trt.parity import target_case
+    from eagle_trt.runtime.sessions import make_session
+    target, drafter, graphs, prompts = tiny_graphs
+    case = target_case(target.model, graphs["target"], "float32", prompts[1:3], TINY_SHAPE, drafter)
+    portable, fused_graph = make_session(graphs["target"], 1), make_session(fused[0], 1)
+    names = ["logits", "captured", "accept_path", "accept_length", "accept_tokens"]
+    single = [f for f in case.feeds if f["input_ids"].shape[0] == 1]
+    assert len(single) >= 4 and any(f["input_ids"].shape[1] > 1 and f["past_key_0"].shape[2] for f in single)
+    for feed in single:
+        want = portable.run(names, feed)
+        got = fused_graph.run(names, fused_feeds(feed))
+        for name, a, b in zip(names, want, got):
+            if a.dtype == np.int64:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            else:
+                np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4, err_msg=name)
