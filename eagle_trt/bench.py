@@ -254,6 +254,9 @@ def main(argv=None) -> int:
             raise ConfigError(f"--concurrency measures greedy decoding (its rows compare outputs with one stream's): "
                               f"drop --temperature {args.temperature} or run it without --concurrency")
         built = served_build(args) if args.build is not None else None
+        if built is not None and levels and built["graphs"]["target"].name.endswith(".fused.onnx"):
+            raise ConfigError(f"--concurrency: {args.build} serves the fused-attention target graph (serving.attention), "
+                              f"which verifies one sequence a call; measure batches on a build that serves the portable one")
         if built is not None:
             shapes = [built["shape"]]
         if args.threads:
@@ -416,7 +419,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": built["precision"].get("drafter_tree") if built else args.drafter_weights,
               "target_weights": built["precision"].get("target") if built else args.target_weights,
-              "attention": args.attention,
+              "attention": "fused" if built and built["graphs"]["target"].name.endswith(".fused.onnx") else args.attention,
               "build": str(args.build) if built else None,
               "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",
@@ -424,7 +427,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
               "results": results, "concurrency": concurrent}
-    fused = ", fused attention" if args.attention == "fused" else ""
+    fused = ", fused attention" if report["attention"] == "fused" else ""
     print(f"\n{report['target_weights']} target{fused}, {report['drafter_variant']} drafter ({report['drafter_weights']} weights"
           f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
           f"{args.max_new_tokens} new tokens, "

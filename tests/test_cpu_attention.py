@@ -150,3 +150,51 @@ def test_fused_graph_outputs_equal_the_portable_graphs_on_parity_feeds(tiny_grap
                 np.testing.assert_array_equal(a, b, err_msg=name)
             else:
                 np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def fused_build(tmp_path_factory):
+    """The default build of a tiny fp32 target served one stream at a time (serving.attention auto)."""
+    from test_build_support import tiny_config, write_tiny_target
+
+    from eagle_trt.build import build, config_from_dict
+    folder = tmp_path_factory.mktemp("build_fused")
+    data = tiny_config(write_tiny_target(folder / "target"), serving={"max_concurrent": 1})
+    build(config_from_dict(data, "tiny.yaml"), folder / "out", log=None)
+    return folder / "out"
+
+
+def test_a_one_stream_build_serves_the_fused_graph_checked_by_parity(fused_build):
+    import json
+
+    from eagle_trt.build.triton import served_graphs
+    from eagle_trt.config import TreeShape
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
+    report = json.loads((fused_build / "parity" / "report.json").read_text())
+    checked = {g["name"]: g for g in report["graphs"]}
+    assert report["passed"] and "target.fused" in checked
+    assert {o["output"] for o in checked["target.fused"]["outputs"]} >= {"logits", "captured", "accept_tokens"}
+    settings = json.loads((fused_build / "triton/eagle_trt/1/eagle.json").read_text())
+    assert settings["graphs"]["target"] == "graphs/target.fused.onnx" and "iteration" in settings["graphs"]
+    graphs = served_graphs(fused_build / "triton", "eagle_trt")
+    opened = open_backends(graphs, TreeShape(*settings["tree"]), settings["max_context"], threads=1)
+    portable = OrtTarget(fused_build / "export" / "target.onnx", settings["max_context"], threads=1)
+    assert opened.target.in_place and opened.iteration is not None
+    for seed in range(3):
+        prompt = torch.randint(3, settings["vocab_size"], (5 + 8 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        want = DecodingLoop(TwoCallEngine(portable), (), settings["vocab_size"]).generate(prompt, 24).tokens
+        assert DecodingLoop(opened.engine(), (), settings["vocab_size"]).generate(prompt, 24).tokens == want
+    assert opened.iteration.graph_calls > 0
+
+
+@pytest.mark.parametrize("precision, serving", [({}, {"attention": "fused"}),            # max_concurrent 8
+                                                ({"target": {"format": "fp8"}}, {"attention": "fused", "max_concurrent": 1})])
+def test_fused_serving_where_it_cannot_run_is_refused(tmp_path, precision, serving):
+    from test_build_support import tiny_config
+
+    from eagle_trt.build import BuildConfigError, config_from_dict
+    with pytest.raises(BuildConfigError, match="serving.attention: fused serves one stream of an fp32 target"):
+        config_from_dict(tiny_config(tmp_path / "t", precision=precision, serving=serving), "tiny.yaml")

@@ -59,7 +59,10 @@ def run_parity_stage(b, out: Path) -> dict:
     iteration = b.parity_checks_iteration
     fp16 = tdt == "float16"
     int4 = cfg.precision.target.weight_only
-    progress = Progress("parity", len(graphs) + 1 + fp16 + 2 * len(quantized) + 2 * iteration + int4, b.log)
+    # the fused-attention target graph ONNX Runtime serves (serving.attention), made here for its check
+    fused = b.ort_fused_attention
+    progress = Progress("parity", len(graphs) + 1 + fp16 + 2 * len(quantized) + 2 * iteration + int4
+                        + 2 * (fused is not None), b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
     target = _in_dtype(models.target, tdt)
@@ -82,6 +85,9 @@ def run_parity_stage(b, out: Path) -> dict:
                                     [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)],
                                     on_part=_parts_progress(b, target, "iteration reference", passes=1),
                                     prefix_feed=tcase.feeds[0]))
+    if fused is not None:
+        cases.append(_fused_case(graphs["target"], out / "fused" / "target.fused.onnx", fused, tcase))
+        progress.step("fused-attention target graph made")
     # Every float reference is computed (the target's part by part: models/streamed.py); the
     # fake-quant references are the float models made quantized: the target read part by part with
     # its Linears swapped as each part is read, a drafter in place. The drafter goes before ONNX
@@ -100,7 +106,8 @@ def run_parity_stage(b, out: Path) -> dict:
         with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros
             reports.append(check_case(case, out / "bundles"))
         progress.step(f"{case.name}: {'ok' if reports[-1].passed else 'FAIL'}")
-    shutil.rmtree(out / "iteration", ignore_errors=True)     # checked; the triton stage composes the served one
+    for made in ("iteration", "fused"):     # checked; the triton stage makes the served ones
+        shutil.rmtree(out / made, ignore_errors=True)
     data = report_json(reports)
     if b.log is not None:
         print(format_report(reports), file=b.log)
@@ -118,6 +125,22 @@ def run_parity_stage(b, out: Path) -> dict:
     data["worst"] = {f"{g['name']}.{o['output']}": o["max_abs"] for g in data["graphs"] for o in g["outputs"]
                      if o["output"] in ("logits", "tree_scores", "tree_tokens")}
     return data
+
+
+def _fused_case(graph: Path, path: Path, tcfg, tcase):
+    """The fused-attention target graph (export/cpu_attention.py) made from the target graph and
+    checked on the target case's one-sequence feeds (its operator verifies one sequence a call),
+    made its own (cpu_attention.fused_feeds: T more cache rows), against the same references
+    (its caches are written in place, not output: the KV rows are checked by the decoding they
+    feed, tests/test_cpu_attention.py)."""
+    from ..export.cpu_attention import fuse_attention, fused_feeds
+    from ..parity import GraphCase
+    fuse_attention(graph, path, tcfg)
+    one = [i for i, f in enumerate(tcase.feeds) if f["input_ids"].shape[0] == 1]
+    return GraphCase("target.fused", path, tcase.dtype, [fused_feeds(tcase.feeds[i]) for i in one],
+                     [tcase.labels[i] for i in one],
+                     [{k: v for k, v in tcase.reference[i].items() if not k.startswith(("new_key_", "new_value_"))}
+                      for i in one])
 
 
 def _float32(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

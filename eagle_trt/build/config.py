@@ -196,6 +196,13 @@ class ServingSection:
     # (export/iteration.py), one call for each iteration that drafts. auto: on (FP8 graphs
     # too, run with their own session settings: runtime/sessions.py FP8_SESSION).
     iteration_graph: Literal["auto", "on", "off"] = "auto"
+    # Where ONNX Runtime serves one stream at a time (max_concurrent 1): the target graph with
+    # ONNX Runtime's fused attention (export/cpu_attention.py: each layer's attention one
+    # GroupQueryAttention, the KV caches written in place; ~1.1x faster plain and speculative
+    # decoding on 2 CPU cores), or the portable graph's plain ops. Its CPU kernel verifies one
+    # sequence a call, so batches (max_concurrent > 1) take the portable graph. auto: fused where
+    # it applies (fp32 target, one stream, a family it maps), else portable.
+    attention: Literal["auto", "fused", "portable"] = "auto"
     # What serves where there are no engines: ONNX Runtime in-process on the built graphs, or the
     # PyTorch models (torch) with each iteration replayed as one CUDA graph per batch size
     # (runtime/static.py: a GPU without TensorRT; on a CPU it runs without capture). torch puts
@@ -258,6 +265,14 @@ class BuildConfig:
                                    f"precision.drafter is {drafter.format}"
                                    + (f" with base {drafter.base}" if drafter.quantized else "")
                                    + "; use auto or float")
+        if self.serving.attention == "fused" and (self.precision.target.format != "fp32"
+                                                  or self.serving.max_concurrent != 1
+                                                  or self.serving.runtime != "onnxruntime"):
+            raise BuildConfigError(
+                f"{source}: serving.attention: fused serves one stream of an fp32 target on ONNX Runtime (its "
+                f"attention operator verifies one sequence a call), but precision.target is "
+                f"{self.precision.target.format}, serving.max_concurrent {self.serving.max_concurrent}, serving.runtime "
+                f"{self.serving.runtime}; use auto or portable")
         fp8 = [n for n in ("target", "drafter") if getattr(self.precision, n).format == "fp8"]
         if self.serving.iteration_graph == "on" and fp8:
             raise BuildConfigError(f"{source}: serving.iteration_graph: on needs float graphs, but precision."

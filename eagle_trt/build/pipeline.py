@@ -388,6 +388,28 @@ class Build:
         return self.cfg.serving.iteration_graph in ("on", "auto")
 
     @property
+    def ort_fused_attention(self) -> TargetConfig | None:
+        """The target's config where ONNX Runtime serves the fused-attention target graph
+        (serving.attention; export/cpu_attention.py), else None. auto: an fp32 target served one
+        stream at a time whose family the rewrite maps; fused: the same, a family it does not map
+        an error naming why."""
+        from ..export.cpu_attention import FusedAttentionError, check_fusable
+        cfg = self.cfg
+        attention = cfg.serving.attention
+        if attention == "portable" or cfg.precision.target.format != "fp32" or cfg.serving.max_concurrent != 1 \
+                or cfg.serving.runtime != "onnxruntime":
+            return None
+        path = Path(self.resolved["target"]["folder"]) / "config.json"
+        tcfg = TargetConfig.from_hf(read_json(path), str(path))
+        try:
+            check_fusable(tcfg, str(path))
+        except FusedAttentionError as exc:
+            if attention == "fused":
+                raise BuildError(f"serving.attention: fused: {exc}") from exc
+            return None
+        return tcfg
+
+    @property
     def parity_checks_iteration(self) -> bool:
         """Whether the parity stage checks the served iteration graph against PyTorch: where it is
         composed of float graphs (quantized graphs are checked on their own, against fake-quant
@@ -400,7 +422,8 @@ class Build:
         cfg = self.cfg
         key = {"upstream": self.upstream("parity"), "parity": cfg.section("parity"), "tree": cfg.section("tree"),
                "precision": cfg.section("precision"), "device": self.device.type,
-               "iteration_graph": self.parity_checks_iteration and ITERATION_FORMAT}
+               "iteration_graph": self.parity_checks_iteration and ITERATION_FORMAT,
+               "fused_attention": self.ort_fused_attention is not None}
         skip = None if cfg.parity.enabled else "parity.enabled is false in the config"
 
         def run(tmp: Path) -> dict:
@@ -443,8 +466,10 @@ class Build:
         onnxruntime = not engines and cfg.serving.runtime == "onnxruntime"
         int8 = onnxruntime and self.ort_drafter_int8
         iteration = onnxruntime and self.ort_iteration_graph
+        fused = self.ort_fused_attention if onnxruntime else None
         key = {"upstream": self.upstream("triton"), "serving": cfg.section("serving"), "tree": cfg.section("tree"),
                "graphs": {g: str(p.relative_to(self.store.root)) for g, p in graphs.items()}, "drafter_int8": int8,
+               "fused_attention": fused is not None,
                "iteration_graph": iteration and ITERATION_FORMAT,    # a new iteration format: composed again
                "template": hashlib.sha256(TEMPLATE.read_bytes()).hexdigest()}
         skip = None if cfg.outputs.triton else "outputs.triton is false in the config"
@@ -455,7 +480,7 @@ class Build:
             plans = {n: self.path("engines", f"{n}.plan") for n in ("target", "drafter_tree")} if engines else None
             precision = {g: next((f for f in ("fp8", "int4") if f".{f}." in p.name), "float") for g, p in graphs.items()}
             return write_repository(tmp, cfg, self.resolved, graphs, precision, plans, self.log, drafter_int8=int8,
-                                    iteration_graph=iteration)
+                                    iteration_graph=iteration, fused_attention=fused)
         return self.run("triton", selected, key, run, skip)
 
 

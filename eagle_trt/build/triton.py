@@ -14,9 +14,11 @@ import os
 import shutil
 from pathlib import Path
 
-from .config import BuildConfig
+from ..config import TargetConfig
+from ..export.cpu_attention import fuse_attention
 from ..export.cpu_int8 import quantize_int8
 from ..graph_names import kv_heads_and_dim
+from .config import BuildConfig
 from .engines import input_dims
 from .store import Progress
 
@@ -126,15 +128,18 @@ def _kv(graph: Path, layers_key: str) -> dict:
 
 def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[str, Path], precision: dict[str, str],
                      plans: dict[str, Path] | None, log=None, drafter_int8: bool = False,
-                     iteration_graph: bool = False) -> dict:
+                     iteration_graph: bool = False, fused_attention: TargetConfig | None = None) -> dict:
     """The repository in `out`; `drafter_int8` (ONNX Runtime only) serves the drafter graph with
     int8 weights made here from graphs['drafter_tree'] (serving.drafter_weights);
+    `fused_attention` (ONNX Runtime only: the target's config) serves the target graph with ONNX
+    Runtime's fused attention, made here from graphs['target'] (serving.attention);
     `iteration_graph` (ONNX Runtime only) adds the served target and drafter graphs composed
     into one (serving.iteration_graph, export/iteration.py)."""
     name = cfg.serving.model_name
     version = out / name / "1"
     iteration_graph = iteration_graph and not plans
-    progress = Progress("triton", 4 + drafter_int8 + iteration_graph, log)
+    fused_attention = None if plans else fused_attention
+    progress = Progress("triton", 4 + drafter_int8 + iteration_graph + (fused_attention is not None), log)
     version.mkdir(parents=True)
     shutil.copy2(TEMPLATE, version / "model.py")
     (out / name / "config.pbtxt").write_text(python_model_config(name))
@@ -167,7 +172,12 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
             (out / model / "config.pbtxt").write_text(plan_model_config(model, graphs[graph], profiles))
     if settings["backend"] == "onnxruntime":
         for graph, path in graphs.items():
-            if graph == "drafter_tree" and drafter_int8:
+            if graph == "target" and fused_attention is not None:
+                path = version / "graphs" / f"{path.stem}.fused.onnx"
+                path.parent.mkdir(exist_ok=True)
+                counts = fuse_attention(graphs[graph], path, fused_attention)
+                progress.step(f"fused-attention target graph ({counts['fused_layers']} GroupQueryAttention layers)")
+            elif graph == "drafter_tree" and drafter_int8:
                 path = version / "graphs" / f"{path.stem}.int8.onnx"
                 path.parent.mkdir(exist_ok=True)
                 counts = quantize_int8(graphs[graph], path)
