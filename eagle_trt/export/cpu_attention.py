@@ -2,8 +2,9 @@
 
 The portable target graph writes each layer's attention from plain ops (RoPE, two score
 MatMuls, the mask, softmax, two weighted sums and the reshapes between), ~25 nodes a layer.
-On a 2-core CPU those small nodes cost ~1-2 us each in place, ~2.5 ms of a 12 ms SmolLM2 step
-against ~0.7 ms for the fused operator (docs/benchmarks.md, "Against llama.cpp"). This graph is
+On a 2-core CPU those small nodes cost ~1-2 us each in place, most of the ~2.9 ms a 12 ms
+SmolLM2 step spent beside its weight MatMuls; the 30 fused operators take ~1.1 ms
+(docs/benchmarks.md, "Against llama.cpp"). This graph is
 the portable one with every layer's attention (from the q / k / v projections to the o
 projection's input) replaced by one `com.microsoft.GroupQueryAttention`, as onnxruntime-genai's
 CPU models are written:
@@ -20,9 +21,11 @@ CPU models are written:
   moved to the columns where the new rows now are, as the operator's additive attention_bias.
 
 The runtime feeds it exactly what it feeds the portable graph; only where the new rows go
-differs (runtime/onnxruntime_backend.py). ONNX Runtime only (a contrib operator), fp32 (the
-operator's CPU kernel), head_dim a multiple of 16 (the kernel's). Refused, with the reason:
-q / k norm (Qwen3) and sliding-window layers (Mistral), which this rewrite does not map."""
+differs (runtime/onnxruntime_backend.py). The operator's CPU kernel takes several new rows
+after a past only at batch 1, so verification and prefill on this graph run one sequence a call
+(OrtTarget refuses a batched one); plain steps batch. ONNX Runtime only (a contrib operator),
+fp32, head_dim a multiple of 16 (the kernel's). Refused, with the reason: q / k norm (Qwen3) and
+sliding-window layers (Mistral), which this rewrite does not map."""
 from __future__ import annotations
 
 from pathlib import Path
