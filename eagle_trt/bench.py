@@ -195,7 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("portable", "fused"), default="portable",
                    help="the ONNX Runtime target graph's attention: portable (plain ONNX ops, what TensorRT parses) "
                         "or fused (each layer's attention one GroupQueryAttention, ONNX Runtime's CPU contrib "
-                        "operator, the KV caches written in place: export/cpu_attention.py; float32 target only)")
+                        "operator, the KV caches written in place: export/cpu_attention.py; the float32 or int4 "
+                        "target; one stream)")
     add_device_options(p)
     p.add_argument("--iteration-graph", choices=("on", "off"), default="on",
                    help="ONNX Runtime speculative decoding with drafting and verification in one graph call (the "
@@ -242,9 +243,9 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
         if not names and not levels:
             raise ConfigError("nothing to measure: give --workloads or --concurrency")
-        if args.attention == "fused" and (args.target_weights != "float32" or args.build is not None):
-            raise ConfigError("--attention fused: the fused-attention target graph is made from the float32 target "
-                              "graph (drop --target-weights int4 / --build)")
+        if args.attention == "fused" and args.build is not None:
+            raise ConfigError("--attention fused: --build measures the graphs the build serves (serving.attention "
+                              "chooses there); drop one")
         if args.attention == "fused" and args.concurrency:
             raise ConfigError("--attention fused: the fused-attention target graph verifies one sequence a call "
                               "(ONNX Runtime's GroupQueryAttention CPU kernel); measure --concurrency on the portable one")
@@ -370,8 +371,8 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     if built:
         target_graph = built["graphs"]["target"]
     else:
-        target_name = "target_fused" if args.attention == "fused" else \
-            {"float32": "target", "int4": "target_int4"}[args.target_weights]
+        target_name = {"float32": "target", "int4": "target_int4"}[args.target_weights] + \
+            ("_fused" if args.attention == "fused" else "")
         target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
                            threads=threads, precision=precision).target

@@ -127,3 +127,27 @@ def test_int4_logits_of_one_call_equal_those_of_one_row_calls(smollm2_onnx_dir, 
         logits, past = call([ids[30 + j]], 30 + j, past)
         rows.append(logits[0])
     assert np.abs(block - np.stack(rows)).max() <= 1e-3
+
+
+def test_the_int4_target_with_fused_attention_decodes_as_the_int4_graph(int4_graphs, tiny_target, tiny_drafter,
+                                                                      tmp_path):
+    """The 4-bit target rewritten with ONNX Runtime's fused attention (export/cpu_attention.py):
+    its greedy decoding equals the 4-bit portable graph's, and speculative decoding on it (two
+    calls, iteration graph) its own."""
+    captured, paths = int4_graphs
+    models = Models(captured, tiny_drafter, "drafters/mine", None)
+    folder = paths["target_int4"].parent
+    fused = export_pipeline(models, SHAPE, folder, log=None, only=("target_int4_fused",))["target_int4_fused"]
+    iteration = export_pipeline(models, SHAPE, tmp_path, log=None, only=("iteration",), target_graph=fused)["iteration"]
+    model = onnx.load(str(fused), load_external_data=False)
+    assert {"MatMulNBits", "GroupQueryAttention"} <= {n.op_type for n in model.graph.node}
+    max_context = tiny_target.config.max_position_embeddings
+    portable, target = OrtTarget(paths["target_int4"], max_context), OrtTarget(fused, max_context)
+    drafter = OrtDrafter(paths["drafter_tree"], SHAPE)
+    for seed in range(3):
+        prompt = torch.randint(3, tiny_target.config.vocab_size, (7 + 9 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = two_call(target).generate(prompt, 30)
+        assert plain.tokens == two_call(portable).generate(prompt, 30).tokens
+        for loop in (two_call(target, drafter), on_graph(OrtIteration(iteration, target, drafter))):
+            assert loop.generate(prompt, 30).tokens == plain.tokens

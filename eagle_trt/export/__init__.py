@@ -78,8 +78,8 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     """Export target (with greedy acceptance) + drafter-tree graphs (and optionally the single-step drafter graphs)
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
     may name `drafter_tree_int8` (the tree graph with int8 weights), `target_int4` (the target
-    graph with 4-bit weights), `target_fused` (the target graph with ONNX Runtime's fused
-    attention) and `iteration` /
+    graph with 4-bit weights), `target_fused` / `target_int4_fused` (the target
+    graph / the 4-bit one with ONNX Runtime's fused attention) and `iteration` /
     `iteration_int8` (target and drafter tree graph composed into one, export/iteration.py;
     with the target graph at `target_graph` where given, else out_dir's), made only when asked for.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
@@ -99,17 +99,22 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     iterations = [(n, d) for n, d in ITERATION_GRAPHS.items() if only is not None and n in only]
     for name, drafter in iterations:     # asked for only: the two graphs composed (export/iteration.py)
         only = (*only, drafter) + (("target",) if target_graph is None else ())
+    if only is not None and "target_int4_fused" in only:
+        only = (*only, "target_int4")     # the fused 4-bit graph is rewritten from it
     if only is not None and "target_int4" in only:
         # asked for only: the target graph with 4-bit MatMulNBits weights, for ONNX Runtime on the CPU (cpu_int4.py)
         jobs["target_int4"] = (dict(base, weights="int4", int4_code=code_digest(INT4_WEIGHTS)),
                                lambda p: _rewritten(quantize_int4, out_dir / "target.onnx", p))
         only = (*only, "target")     # quantized from it
-    if only is not None and "target_fused" in only:
-        # asked for only: the target graph with ONNX Runtime's fused attention, for its CPU provider (cpu_attention.py)
-        jobs["target_fused"] = (dict(base, attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
-                                lambda p: _rewritten(fuse_attention, out_dir / "target.onnx", p,
-                                                     models.target.config))
-        only = (*only, "target")     # rewritten from it
+    for name, source in (("target_fused", "target"), ("target_int4_fused", "target_int4")):
+        if only is not None and name in only:
+            # asked for only: the (4-bit) target graph with ONNX Runtime's fused attention, for its
+            # CPU provider (cpu_attention.py), rewritten from the graph it names
+            key = jobs[source][0] if source in jobs else base
+            jobs[name] = (dict(key, attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
+                          lambda p, s=source: _rewritten(fuse_attention, out_dir / f"{s}.onnx", p,
+                                                         models.target.config))
+            only = (*only, source)
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)
         jobs["drafter_tree_int8"] = (dict(jobs["drafter_tree"][0], weights="int8", int8_code=code_digest(INT8_WEIGHTS)),

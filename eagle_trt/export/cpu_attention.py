@@ -144,7 +144,8 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
     for layer, (past_k, past_v, present_k, present_v) in enumerate(kv_names):
         scope = f"/model/layers.{layer}/self_attn/"
         q, k, v = (_last_output(nodes, f"{scope}{p}_proj/", where) for p in "qkv")
-        o_proj = [n for n in nodes if n.name.startswith(f"{scope}o_proj/") and n.op_type in ("MatMul", "Gemm")]
+        o_proj = [n for n in nodes if n.name.startswith(f"{scope}o_proj/")
+                  and n.op_type in ("MatMul", "Gemm", "MatMulNBits")]     # MatMulNBits: the 4-bit target
         if not o_proj:
             raise FusedAttentionError(f"{where}: layer {layer} has no o_proj MatMul")
         out = f"{scope}{GQA}_output_0"
