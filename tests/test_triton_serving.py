@@ -336,6 +336,38 @@ def test_int4_repository_streams_the_offline_int4_tokens(tmp_path):
     assert_streams(m.artifact("triton"), prompt, expected)
 
 
+def test_one_stream_repository_streams_the_fused_attention_tokens(tmp_path):
+    """A build serving one stream at a time (serving.max_concurrent 1) of an fp32 target serves
+    the fused-attention target graph (serving.attention auto, export/cpu_attention.py) by a real
+    tritonserver: the stream equals the offline speculative decoding of the repository's own
+    graphs, which equals the build's portable target graph's greedy decoding."""
+    import json
+
+    from test_build_support import tiny_config, write_tiny_target
+
+    from eagle_trt.build import build, config_from_dict
+    from eagle_trt.build.triton import served_graphs
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.onnxruntime_backend import OrtTarget
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
+
+    data = tiny_config(write_tiny_target(tmp_path / "target"), parity={"enabled": False},
+                       serving={"max_concurrent": 1})
+    cfg = config_from_dict(data, "tiny one stream")
+    m = build(cfg, tmp_path / "out", log=None)
+    settings = json.loads((m.artifact("triton") / MODEL / "1" / "eagle.json").read_text())
+    assert settings["graphs"]["target"] == "graphs/target.fused.onnx" and "iteration" in settings["graphs"]
+    opened = open_backends(served_graphs(m.artifact("triton"), MODEL), cfg.tree.shape, settings["max_context"],
+                           threads=1, precision=settings["precision"])
+    eos = settings["eos_ids"]
+    prompt = list(range(5, 25))
+    expected = DecodingLoop(opened.engine(), eos).generate(prompt, 8).tokens
+    portable = OrtTarget(m.artifact("export/target.onnx"), settings["max_context"], threads=1)
+    assert expected == DecodingLoop(TwoCallEngine(portable), eos).generate(prompt, 8).tokens
+    assert_streams(m.artifact("triton"), prompt, expected)
+
+
 def test_torch_runtime_streams_the_offline_tokens(built, offline, tmp_path):
     """serving.runtime torch: the repository carries the checkpoints and the model runs the
     fixed-shape loop of runtime/static.py (on this CPU without capture), only the triton stage
