@@ -186,11 +186,9 @@ def onnxruntime_backends(models: Models, shape: TreeShape | None, folder: Path, 
                           f"not {dtype} on {providers}")
     target = "target_fused" if attention == "fused" else "target"
     iteration = {"drafter_tree": "iteration", "drafter_tree_int8": "iteration_int8"}[drafter_graph]
-    names = (target,) if shape is None else (target, drafter_graph)
-    graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names)
-    if shape is not None and iteration_graph:      # composed with the target graph chosen
-        graphs.update(export_pipeline(models, shape, folder, dtype, log=log, only=(iteration,),
-                                      target_graph=graphs[target]))
+    names = (target,) if shape is None else (target, drafter_graph) + ((iteration,) if iteration_graph else ())
+    graphs = export_pipeline(models, shape or TreeShape(3, 2, 4), folder, dtype, log=log, only=names,
+                             target_graph=folder / f"{target}.onnx")     # the iteration graph composed with it
     graphs = {"target": graphs[target], "drafter_tree": graphs.get(drafter_graph), "iteration": graphs.get(iteration)}
     return open_backends({k: v for k, v in graphs.items() if v is not None}, shape,
                          models.target.config.max_position_embeddings, providers=providers, kv_device=kv_device,

@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--concurrency measures greedy decoding (its rows compare outputs with one stream's): "
                               f"drop --temperature {args.temperature} or run it without --concurrency")
         built = served_build(args) if args.build is not None else None
-        if built is not None and levels and built["graphs"]["target"].name.endswith(".fused.onnx"):
+        if built is not None and levels and built["attention"] == "fused":
             raise ConfigError(f"--concurrency: {args.build} serves the fused-attention target graph (serving.attention), "
                               f"which verifies one sequence a call; measure batches on a build that serves the portable one")
         if built is not None:
@@ -339,8 +339,9 @@ def _rows(args, models, rows: list, shapes: list[TreeShape], prompts: list[list[
 
 
 def served_build(args) -> dict:
-    """--build DIR: the graphs DIR's Triton repository serves on ONNX Runtime, its tree and
-    precision, and its target and drafter folders (set as --target / --drafter)."""
+    """--build DIR: the graphs DIR's Triton repository serves on ONNX Runtime, its tree,
+    precision and target graph's attention, and its target and drafter folders (set as --target /
+    --drafter)."""
     from .build.triton import served_graphs
     out = Path(args.build)
     resolved_path, repository = out / "validate" / "resolved.json", out / "triton"
@@ -358,7 +359,9 @@ def served_build(args) -> dict:
     args.drafter = resolved["drafter"]["folder"]
     if args.iteration_graph == "off":
         graphs.pop("iteration", None)
-    return {"graphs": graphs, "shape": TreeShape(*settings["tree"]), "precision": settings["precision"]}
+    attention = "fused" if graphs["target"].name.endswith(".fused.onnx") else "portable"   # serving.attention's
+    return {"graphs": graphs, "shape": TreeShape(*settings["tree"]), "precision": settings["precision"],
+            "attention": attention}
 
 
 def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], held: tuple, levels: list[int],
@@ -420,7 +423,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "drafter_variant": f32.drafter.cfg.variant, "backend": "onnxruntime (CPU, fp32)",
               "drafter_weights": built["precision"].get("drafter_tree") if built else args.drafter_weights,
               "target_weights": built["precision"].get("target") if built else args.target_weights,
-              "attention": "fused" if built and built["graphs"]["target"].name.endswith(".fused.onnx") else args.attention,
+              "attention": built["attention"] if built else args.attention,
               "build": str(args.build) if built else None,
               "iteration_graph": ort.backends.iteration is not None,
               "transformers_device": f"{device.type} {dtype}",

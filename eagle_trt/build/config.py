@@ -265,9 +265,7 @@ class BuildConfig:
                                    f"precision.drafter is {drafter.format}"
                                    + (f" with base {drafter.base}" if drafter.quantized else "")
                                    + "; use auto or float")
-        if self.serving.attention == "fused" and (self.precision.target.format != "fp32"
-                                                  or self.serving.max_concurrent != 1
-                                                  or self.serving.runtime != "onnxruntime"):
+        if self.serving.attention == "fused" and not self.one_fp32_stream_on_onnxruntime:
             raise BuildConfigError(
                 f"{source}: serving.attention: fused serves one stream of an fp32 target on ONNX Runtime (its "
                 f"attention operator verifies one sequence a call), but precision.target is "
@@ -294,6 +292,13 @@ class BuildConfig:
         """A section as plain JSON data (what stage cache keys hash)."""
         value = getattr(self, name)
         return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+    @property
+    def one_fp32_stream_on_onnxruntime(self) -> bool:
+        """Where the fused-attention target graph can serve (serving.attention): an fp32 target on
+        ONNX Runtime, one stream at a time (its operator verifies one sequence a call)."""
+        return (self.precision.target.format == "fp32" and self.serving.max_concurrent == 1
+                and self.serving.runtime == "onnxruntime")
 
     def output_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.outputs.dir or Path("artifacts") / self.name)

@@ -396,8 +396,7 @@ class Build:
         from ..export.cpu_attention import FusedAttentionError, check_fusable
         cfg = self.cfg
         attention = cfg.serving.attention
-        if attention == "portable" or cfg.precision.target.format != "fp32" or cfg.serving.max_concurrent != 1 \
-                or cfg.serving.runtime != "onnxruntime":
+        if attention == "portable" or not cfg.one_fp32_stream_on_onnxruntime:
             return None
         path = Path(self.resolved["target"]["folder"]) / "config.json"
         tcfg = TargetConfig.from_hf(read_json(path), str(path))

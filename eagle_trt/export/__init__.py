@@ -99,9 +99,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     iterations = [(n, d) for n, d in ITERATION_GRAPHS.items() if only is not None and n in only]
     for name, drafter in iterations:     # asked for only: the two graphs composed (export/iteration.py)
         only = (*only, drafter) + (("target",) if target_graph is None else ())
-    if only is not None and "target_int4_fused" in only:
-        only = (*only, "target_int4")     # the fused 4-bit graph is rewritten from it
-    if only is not None and "target_int4" in only:
+    if only is not None and ("target_int4" in only or "target_int4_fused" in only):
         # asked for only: the target graph with 4-bit MatMulNBits weights, for ONNX Runtime on the CPU (cpu_int4.py)
         jobs["target_int4"] = (dict(base, weights="int4", int4_code=code_digest(INT4_WEIGHTS)),
                                lambda p: _rewritten(quantize_int4, out_dir / "target.onnx", p))
@@ -110,8 +108,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
         if only is not None and name in only:
             # asked for only: the (4-bit) target graph with ONNX Runtime's fused attention, for its
             # CPU provider (cpu_attention.py), rewritten from the graph it names
-            key = jobs[source][0] if source in jobs else base
-            jobs[name] = (dict(key, attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
+            jobs[name] = (dict(jobs[source][0], attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
                           lambda p, s=source: _rewritten(fuse_attention, out_dir / f"{s}.onnx", p,
                                                          models.target.config))
             only = (*only, source)

@@ -39,6 +39,7 @@ from ..config import TargetConfig
 from ..graph_names import target_kv_names
 from ..models.target import RotaryEmbedding
 from .graph_files import rewrite_graph
+from .shape_folding import remove_unused
 
 GQA = "GroupQueryAttention"
 
@@ -139,7 +140,7 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
     cos, sin = rope_tables(cfg)
     consts += [numpy_helper.from_array(cos, "fused_attention/cos_cache"),
                numpy_helper.from_array(sin, "fused_attention/sin_cache")]
-    fused = []
+    fused = {}      # id of each layer's o_proj node -> the GroupQueryAttention node it now reads
     kv_names = target_kv_names(cfg.num_hidden_layers, in_place=True)
     for layer, (past_k, past_v, present_k, present_v) in enumerate(kv_names):
         scope = f"/model/layers.{layer}/self_attn/"
@@ -149,13 +150,13 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
         if not o_proj:
             raise FusedAttentionError(f"{where}: layer {layer} has no o_proj MatMul")
         out = f"{scope}{GQA}_output_0"
-        fused.append(helper.make_node(
+        fused[id(o_proj[0])] = helper.make_node(
             GQA, [q, k, v, past_k, past_v, "fused_attention/seqlens_k",
                   "fused_attention/total_sequence_length", "fused_attention/cos_cache", "fused_attention/sin_cache",
                   "position_ids", "fused_attention/attention_bias"],
             [out, present_k, present_v], name=f"{scope}{GQA}", domain="com.microsoft",
             num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads,
-            do_rotary=int(layer not in cfg.arch.nope_layers)))
+            do_rotary=int(layer not in cfg.arch.nope_layers))
         o_proj[0].input[0] = out
     kv_shape = ["batch", cfg.num_key_value_heads, "cache_rows", cfg.head_dim]
     outputs = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
@@ -166,49 +167,18 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
             for d, size in zip(i.type.tensor_type.shape.dim, kv_shape):
                 if isinstance(size, str):
                     d.dim_param = size
-    # the portable attention's nodes go: keep what the outputs read, in order
-    order = nodes + mask_nodes + fused
-    needed = {o.name for o in outputs}
-    producers = {o: n for n in order for o in n.output}
-    kept = set()
-    stack = list(needed)
-    while stack:
-        node = producers.get(stack.pop())
-        if node is not None and id(node) not in kept:
-            kept.add(id(node))
-            stack.extend(i for i in node.input if i)
-    ordered = _topological([n for n in order if id(n) in kept], producers)
-    used = {i for n in ordered for i in n.input}
-    keep_init = [t for t in g.initializer if t.name in used]
+    # in topological order: the mask's nodes read graph inputs only, each layer's operator goes
+    # right before the o_proj that reads it; then the portable attention's nodes go, unread
+    order = mask_nodes + [m for n in nodes for m in ((fused[id(n)], n) if id(n) in fused else (n,))]
     del g.node[:]
-    g.node.extend(ordered)
+    g.node.extend(order)
     del g.output[:]
     g.output.extend(outputs)
-    del g.initializer[:]
-    g.initializer.extend(keep_init + [t for t in consts if t.name in used])
+    g.initializer.extend(consts)
+    remove_unused(g, {t.name for t in g.initializer})
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return {"fused_layers": len(fused), "nodes": len(ordered)}
-
-
-def _topological(nodes: list, producers: dict) -> list:
-    """`nodes` with each after the producers of its inputs (the fused nodes were appended last)."""
-    position = {id(n): i for i, n in enumerate(nodes)}
-    done, order = set(), []
-    for root in nodes:
-        stack = [(root, False)]
-        while stack:
-            node, ready = stack.pop()
-            if id(node) in done:
-                continue
-            if ready:
-                done.add(id(node))
-                order.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((producers[i], False) for i in node.input
-                         if i in producers and id(producers[i]) in position and id(producers[i]) not in done)
-    return order
+    return {"fused_layers": len(fused), "nodes": len(g.node)}
 
 
 def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig) -> dict:

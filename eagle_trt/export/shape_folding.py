@@ -498,7 +498,7 @@ def fold_shapes(model: onnx.ModelProto, positive: tuple[str, ...] = (),
             if first != name:
                 node.input[i] = first
                 report.shared += 1
-    _remove_unused(g, set(new_inits.values()))
+    remove_unused(g, set(new_inits.values()))
     report.nodes_after = len(g.node)
     return report
 
@@ -529,8 +529,9 @@ def _static_target(dims: tuple | None, target: list | None, allowzero: bool) -> 
     return new
 
 
-def _remove_unused(g: onnx.GraphProto, folded: set[str]) -> None:
-    """Drop the nodes whose outputs nothing reads (nor a subgraph), and the unread `folded` constants."""
+def remove_unused(g: onnx.GraphProto, folded: set[str]) -> None:
+    """Drop the nodes (in topological order) whose outputs nothing reads (nor a subgraph), and the
+    unread initializers named in `folded`."""
     needed = {o.name for o in g.output}
     keep = []
     for node in reversed(g.node):
@@ -556,4 +557,4 @@ def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-__all__ = ["ShapeFolding", "fold_shapes"]
+__all__ = ["ShapeFolding", "fold_shapes", "remove_unused"]

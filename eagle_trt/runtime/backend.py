@@ -55,6 +55,7 @@ class _Batched:
         else:
             self.cache = KVCache(num_layers, kv_heads, head_dim, capacity, dtype, device)
             self.cache.owner = self
+        self.cache.in_place = self.in_place
 
     def add_sequence(self, rows: int = 0) -> int:
         """A new sequence in the next free slot (room for `rows` rows); returns the slot."""

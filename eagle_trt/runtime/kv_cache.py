@@ -225,21 +225,25 @@ class KVCache:
             raise ValueError(f"commit got rows for {len(rows)} sequences, {len(slots)} were staged")
         if any(seq and not 0 <= min(seq) <= max(seq) < self.staged for seq in rows):   # every row, in C
             raise IndexError(f"commit rows {rows} outside the {self.staged} staged rows")
-        if self.in_place:
-            self._commit_in_place(slots, rows)
-            return
-        if self.new_rows is None:
+        new = None if self.in_place else self.new_rows
+        if self.in_place and self.kv_np is None:
+            raise RuntimeError("an in-place KV cache commits through numpy: a host cache of float32 or float16")
+        if new is None and not self.in_place:
             raise RuntimeError("commit without the staged rows: the forward pass did not write its new KV rows")
-        new = self.new_rows
-        on_cpu = isinstance(new, np.ndarray) or (new.device.type == "cpu" and new.dtype == self.dtype)
+        on_cpu = self.in_place or isinstance(new, np.ndarray) or (new.device.type == "cpu" and new.dtype == self.dtype)
         if self.kv_np is not None and on_cpu:
             # on the CPU: one numpy slice copy per run of consecutive rows (K and V of every
-            # layer at once), ~1 us each; torch's indexed copies cost 10-100x that here
-            new_np = np.asarray(new)
+            # layer at once), ~1 us each; torch's indexed copies cost 10-100x that here. In
+            # place, the staged rows are the cache's own after the committed ones: a run moves
+            # down at most its own offset, a copy that may overlap itself (numpy copies it
+            # through a temporary), and a run already in place is not copied
+            new_np = None if self.in_place else np.asarray(new)
             for i, (b, seq) in enumerate(zip(slots, rows)):
-                at, kv_np, new_b = self.lengths[b], self.kv_np[:, :, b], new_np[:, :, i]   # [2, L, Hkv, rows, D]
+                at, kv_np = self.lengths[b], self.kv_np[:, :, b]
+                new_b = kv_np[:, :, :, at:] if self.in_place else new_np[:, :, i]   # [2, L, Hkv, rows, D]
                 for j, r in _runs(seq):
-                    kv_np[:, :, :, at + j:at + j + len(r)] = new_b[:, :, :, r[0]:r[0] + len(r)]
+                    if not (self.in_place and r[0] == j):
+                        kv_np[:, :, :, at + j:at + j + len(r)] = new_b[:, :, :, r[0]:r[0] + len(r)]
         elif len(slots) == 1 and 0 < len(runs := _runs(rows[0])) <= 4:
             # one sequence, a few runs of rows (a prefill is one): slice copies, no index tensors
             b, at = slots.start, self.lengths[slots.start]
@@ -257,21 +261,6 @@ class KVCache:
             self.kv.view(2 * L, -1, D).index_copy_(1, dst.view(-1), kept)
         for b, r in zip(slots, rows):
             self.lengths[b] += len(r)
-        self.staged, self.staged_slots, self.new_rows = 0, range(0), None
-
-
-    def _commit_in_place(self, slots: range, rows: list[list[int]]) -> None:
-        """The staged rows sit at each sequence's length + row: the accepted ones move down to
-        length + j (a run at most as far as its own offset, so a run's copy may overlap itself,
-        which numpy copies through a temporary), one numpy slice copy per run that moves."""
-        if self.kv_np is None:
-            raise RuntimeError("an in-place KV cache commits through numpy: a host cache of float32 or float16")
-        for b, seq in zip(slots, rows):
-            at, kv_b = self.lengths[b], self.kv_np[:, :, b]
-            for j, r in _runs(seq):
-                if r[0] != j:
-                    kv_b[:, :, :, at + j:at + j + len(r)] = kv_b[:, :, :, at + r[0]:at + r[0] + len(r)]
-            self.lengths[b] += len(seq)
         self.staged, self.staged_slots, self.new_rows = 0, range(0), None
 
 

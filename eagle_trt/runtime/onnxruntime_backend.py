@@ -131,7 +131,6 @@ class OrtTarget(_Timed, TargetBackend):
 
     def reset(self, capacity: int = CHUNK) -> None:
         self._new_cache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.kv_device)
-        self.cache.in_place = self.in_place
 
     def forward(self, input_ids, positions, mask, slots=None, last_only=False):
         B, T = input_ids.shape
