@@ -453,3 +453,26 @@ def test_local_triton_cli_stops_its_server_on_sigterm(built):
                     os.killpg(int(pid), signal.SIGKILL)
             except OSError:
                 pass
+
+
+def test_local_triton_draws_new_ports_when_a_drawn_one_is_taken(tmp_path):
+    """Two test workers start servers at once and their clients take ports too: a drawn port taken
+    before the server binds it gets the server restarted on new ones, while a port the caller
+    named is refused with Triton's own reason. Drawn ports lie below the ephemeral range, where
+    outgoing connections take theirs."""
+    import socket
+
+    from eagle_trt.build.local_triton import TritonUnavailable, _ephemeral_range, free_port
+    assert all(free_port() < _ephemeral_range()[0] for _ in range(20))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with pytest.raises(TritonUnavailable, match="already in use"):
+            with LocalTriton(tmp_path, grpc_port=taken):
+                pass
+        server = LocalTriton(tmp_path)
+        server.grpc_port = taken
+        with server:
+            assert server.grpc_port != taken and server.alive()
+            assert "already in use" not in server.log

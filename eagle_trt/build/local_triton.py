@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -73,10 +74,37 @@ def bundled_tritonserver() -> Path:
     return root
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that is free now, drawn below the kernel's ephemeral range: a port the
+    kernel hands out for bind(0) is also what it hands to outgoing connections as their source port,
+    so one of those (another test's client) could take it before the server binds it."""
+    low, _ = _ephemeral_range()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class LocalTriton:
@@ -86,6 +114,7 @@ class LocalTriton:
     def __init__(self, repository: str | Path, grpc_port: int | None = None, http_port: int | None = None,
                  startup_timeout: float = 180.0, extra_env: dict | None = None):
         self.repository = Path(repository).resolve()
+        self.chosen_ports = grpc_port is None and http_port is None   # ours to draw again if taken
         self.grpc_port, self.http_port = grpc_port or free_port(), http_port or free_port()
         self.timeout, self.extra_env = startup_timeout, extra_env or {}
         self.proc: subprocess.Popen | None = None
@@ -136,20 +165,36 @@ class LocalTriton:
 
     def __enter__(self) -> LocalTriton:
         root = bundled_tritonserver()
+        for attempt in range(3):
+            self._start(root)
+            try:
+                self._wait_ready()
+                return self
+            except TritonUnavailable as exc:
+                log = self.log
+                self.__exit__(None, None, None)
+                if not (self.chosen_ports and "already in use" in log.lower() and attempt < 2):
+                    raise exc from None
+                # another process took a drawn port between the draw and the server's bind: draw again
+                self.grpc_port, self.http_port = free_port(), free_port()
+            except BaseException:   # interrupted (Ctrl-C, SIGTERM) while starting: stop it
+                self.__exit__(None, None, None)
+                raise
+        raise AssertionError("unreachable")
+
+    def _start(self, root: Path) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="eagle_trt_triton_"))
+        # the Python backend's shared-memory regions get a prefix of this server's own, as Triton's
+        # docs ask of several servers on one machine
+        shm_prefix = f"eagle_trt_{os.getpid()}_{self.grpc_port}_"
         cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={self.repository}",
                f"--backend-directory={self._backends(root)}", f"--cache-directory={root / 'caches'}",
+               f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
                "--http-address=127.0.0.1", f"--http-port={self.http_port}", "--grpc-address=127.0.0.1",
                f"--grpc-port={self.grpc_port}", "--allow-metrics=false", "--exit-on-error=true", "--exit-timeout-secs=10",
                "--log-verbose=0"]
         self.proc = subprocess.Popen(cmd, stdout=open(self.workdir / "server.log", "wb"), stderr=subprocess.STDOUT,
                                      env=self.env(root), start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:   # not ready, or interrupted (Ctrl-C, SIGTERM) while starting: stop it
-            self.__exit__(None, None, None)
-            raise
-        return self
 
     def _wait_ready(self) -> None:
         import urllib.request
@@ -159,7 +204,7 @@ class LocalTriton:
                 raise TritonUnavailable(f"tritonserver exited with status {self.proc.returncode}:\n{self.log[-4000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and _listening(self.grpc_port):   # the clients speak gRPC
                         return
             except OSError:
                 pass
