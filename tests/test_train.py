@@ -923,3 +923,42 @@ def test_train_cli_trains_on_several_distillation_sets_as_one(tmp_path, capsys, 
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert [d["dir"] for d in log["distill"]] == [str(s) for s in sets]
     assert log["features"]["sequences"] == sum(d["sequences"] for d in log["distill"]) == 16
+
+
+def test_init_from_grows_the_draft_vocabulary_keeping_its_trained_rows(tmp_path, capsys):
+    """--init-from with a larger --draft-vocab: the drafter's ids stay, the most frequent other
+    answer tokens join with the target's head rows, and its trained rows (frozen here) keep their
+    values at their new places; a smaller size is refused, naming both sizes."""
+    from safetensors.torch import load_file
+    from test_build_support import write_tiny_target
+
+    from eagle_trt.checkpoints import load_target
+    from eagle_trt.train.__main__ import main
+    folder = write_tiny_target(tmp_path / "t")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Name {i} teas and coffees."},
+                                               {"from": "gpt", "value": f"Green tea, black tea, {i} espresso. " * 3}]}
+             for i in range(10)]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(convs))
+    common = ["--target", str(folder), "--data", str(data), "--features", "online", "--device", "cpu",
+              "--features-dir", str(tmp_path / "feat"), "--batch-size", "2", "--eval-sequences", "2"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--steps", "2", "--draft-vocab", "24",
+                          "--save-every", "2"]) == 0, capsys.readouterr().err
+    first = load_file(str(tmp_path / "a" / "drafter" / "model.safetensors"))
+    assert main(common + ["--out", str(tmp_path / "b"), "--steps", "1", "--draft-vocab", "40", "--freeze-head",
+                          "--init-from", str(tmp_path / "a" / "drafter"), "--save-every", "1"]) == 0, \
+        capsys.readouterr().err
+    grown = load_file(str(tmp_path / "b" / "drafter" / "model.safetensors"))
+    old_ids = torch.arange(24) + first["d2t"]
+    new_ids = torch.arange(40) + grown["d2t"]
+    assert grown["lm_head.weight"].shape[0] == 40 and set(old_ids.tolist()) < set(new_ids.tolist())
+    at = torch.searchsorted(new_ids, old_ids)
+    assert torch.equal(grown["lm_head.weight"][at], first["lm_head.weight"])
+    added = ~grown["t2d"].new_zeros(new_ids.numel()).index_fill(0, at, True)
+    head = load_target(folder, torch.float32).model.lm_head.weight.detach()
+    assert torch.equal(grown["lm_head.weight"][added], head[new_ids[added]].to(grown["lm_head.weight"].dtype))
+    assert main(common + ["--out", str(tmp_path / "c"), "--steps", "1", "--draft-vocab", "16",
+                          "--init-from", str(tmp_path / "a" / "drafter")]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-vocab 16" in err and "24" in err
+    assert not (tmp_path / "c" / "drafter").exists()

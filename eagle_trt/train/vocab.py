@@ -82,4 +82,20 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> DraftVocab:
     return DraftVocab.from_used(order, V, coverage)
 
 
-__all__ = ["DraftVocab", "build_draft_vocab", "count_tokens"]
+def grow_draft_vocab(used: torch.Tensor, counts: torch.Tensor, size: int) -> DraftVocab:
+    """`used` (a drafter's ids) and the most frequent other ids by `counts`, `size` in all: a
+    trained drafter's vocabulary grown, its own ids kept (ties broken by the lower id)."""
+    V = counts.numel()
+    used = torch.as_tensor(used, dtype=torch.int64)
+    if not used.numel() <= size <= V:
+        raise ValueError(f"a grown draft vocabulary of {size} ids must hold the drafter's {used.numel()} and at "
+                         f"most the target's vocab_size {V}")
+    others = counts.clone()
+    others[used] = -1
+    added = torch.sort(others, descending=True, stable=True).indices[:size - used.numel()]
+    kept = torch.cat([used, added])
+    total = int(counts.sum())
+    return DraftVocab.from_used(kept, V, float(counts[kept].sum()) / total if total else float("nan"))
+
+
+__all__ = ["DraftVocab", "build_draft_vocab", "count_tokens", "grow_draft_vocab"]
