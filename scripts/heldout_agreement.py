@@ -14,7 +14,10 @@ probability on the answer tokens: how predictable its greedy text is at all. --s
 also prints evaluate()'s agreement on answer tokens that repeat their sequence's own earlier
 9-grams (loops, eagle_trt/train/loops.py) apart from the rest: greedy answers of a small
 target loop, and the easy loop tokens lift the overall number (37% of the held-out ShareGPT
-positions, 10% of MT-bench's). --prompt-context N evaluates with at most N prompt tokens in the
+positions, 10% of MT-bench's). Each drafter's line also says how many of the answer tokens its draft
+vocabulary holds (a token outside it can never be drafted); --vocab-sizes 8192,16384 adds how
+many the N most frequent answer tokens of --vocab-from's distillation sets would hold.
+--prompt-context N evaluates with at most N prompt tokens in the
 drafter's own context: how much it reads the prompt itself (docs/training.md).
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from eagle_trt.runtime.static import StaticEngine
 from eagle_trt.train.__main__ import distilled_features
 from eagle_trt.train.regenerate import FORMAT, PROVENANCE, DistillSet, _target_key, chunk_name, write_chunk
 from eagle_trt.train.ttt import TrainConfig, auto_autocast, evaluate
+from eagle_trt.train.vocab import build_draft_vocab, count_tokens
 from eagle_trt.workloads import build
 
 
@@ -63,6 +67,13 @@ def workload_answers(target, workload: str, prompts: int, max_new_tokens: int) -
         "settings": {"max_new_tokens": max_new_tokens}}, indent=1))
     tmp.rename(folder)
     return folder
+
+
+def answer_tokens(folder: Path) -> torch.Tensor:
+    """Every answer token of a distillation set (the positions its samples train on), in order."""
+    parts = [torch.tensor(sample.ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
+             for _, samples in DistillSet(folder).chunks() for sample in samples]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 @torch.no_grad()
@@ -97,6 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-context", type=int, default=0, metavar="N",
                    help="with at most N prompt tokens in the drafter's own context (the target features "
                         "keep the whole prompt): how much the drafter reads the prompt; 0: whole prompts")
+    p.add_argument("--vocab-sizes", default="", help="comma-separated draft vocabulary sizes: the share of the "
+                   "answer tokens the N most frequent answer tokens of --vocab-from cover")
+    p.add_argument("--vocab-from", type=Path, nargs="+", default=None,
+                   help="distillation sets counted for --vocab-sizes (default: data/distill/smollm2-sharegpt*)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,6 +121,15 @@ def main(argv=None) -> int:
     if args.target_confidence:
         print(f"target confidence on {args.eval_distill}: mean top-1 probability "
               f"{target_confidence(target, args.eval_distill):.3f}")
+    answers = answer_tokens(args.eval_distill)
+    V = target.config.vocab_size
+    if args.vocab_sizes:
+        sets = args.vocab_from or sorted(Path("data/distill").glob("smollm2-sharegpt*"))
+        counts = count_tokens([answer_tokens(folder) for folder in sets], None, V)
+        for size in (int(x) for x in args.vocab_sizes.split(",")):
+            kept = build_draft_vocab(counts, min(size, V)).t2d
+            print(f"the {size} most frequent answer tokens of {', '.join(str(f) for f in sets)} hold "
+                  f"{float(kept[answers].float().mean()):.2%} of the {answers.numel()} answer tokens")
     head = target.model.lm_head.weight.detach()
     for folder in args.drafters:
         try:
@@ -121,7 +145,9 @@ def main(argv=None) -> int:
         out = evaluate(drafter, store, list(range(len(store))), head[used].clone(), cfg, args.prompt_context)
         print(f"{folder}: {variant}, {len(store)} sequences, {store.tokens} tokens, {args.ttt_steps} TTT steps\n"
               f"  agreement {' / '.join(f'{x:.3f}' for x in out['eval_acc'])}\n"
-              f"  loss      {' / '.join(f'{x:.4f}' for x in out['eval_loss'])}")
+              f"  loss      {' / '.join(f'{x:.4f}' for x in out['eval_loss'])}\n"
+              f"  draft vocabulary: {drafter.cfg.draft_vocab_size} ids hold "
+              f"{float(drafter.t2d.cpu()[answers].float().mean()):.2%} of the answer tokens")
         if args.split_loops:
             for name in ("loop", "text"):
                 print(f"  {name:<9} {' / '.join(f'{x:.3f}' for x in out[f'eval_acc_{name}'])}  "
