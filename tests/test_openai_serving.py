@@ -48,6 +48,17 @@ def triton(repository):
         yield server
 
 
+@pytest.fixture(autouse=True)
+def shared_triton_alive(request):
+    """A test on the module's server fails at once, with the server's exit status and log, if that
+    server is gone (not with the front end's 503s)."""
+    if {"triton", "front", "client"} & set(request.fixturenames):
+        death = request.getfixturevalue("triton").death()
+        if death:
+            pytest.fail(f"the module's server is gone before this test: {death}")
+    yield
+
+
 @pytest.fixture(scope="module")
 def front(repository, triton):
     with HttpServer(create_app(TritonBackend(repository, triton.grpc_url, MODEL))) as http:

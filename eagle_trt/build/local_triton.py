@@ -214,6 +214,14 @@ class LocalTriton:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def death(self) -> str | None:
+        """Why a server that was started is gone without being stopped (None while it runs): its
+        exit status (negative: the signal that ended it) and the end of its log."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return (f"tritonserver (grpc {self.grpc_port}, http {self.http_port}) exited with status "
+                f"{self.proc.returncode}; its log ends:\n{self.log[-4000:]}")
+
     def __exit__(self, *_):
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)   # its own session: the backend stubs go too
