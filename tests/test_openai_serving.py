@@ -203,6 +203,32 @@ def test_stop_token_ids_end_the_completion(client, offline, completion):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_finished_request_completes_its_grpc_call_and_a_stop_string_cancels_it(repository, triton, offline):
+    """The front end reads a request's call to its end after the model's last response instead of
+    cancelling it (a cancellation racing the completion crashes tritonserver before 24.12:
+    server#7368), and cancels it when a stop string ends the text early."""
+    import asyncio
+
+    from eagle_trt.server.protocol import Params
+
+    async def generation(params: Params):
+        backend = TritonBackend(repository, triton.grpc_url, MODEL)
+        await backend.open()
+        try:
+            gen = backend.generate(params)
+            await gen.run()
+            return gen
+        finally:
+            await backend.close()
+    ids, tokens = offline["ids"][0], offline["tokens"][0]
+    done = asyncio.run(generation(Params(ids, NEW_TOKENS, temperature=0)))
+    assert done.tokens == tokens and done.finish_reason == finish_of(offline, tokens)
+    assert not done.cancelled_in_triton, "a finished request's call was cancelled, not completed"
+    stop = decode(offline, tokens[3:5])
+    cut = asyncio.run(generation(Params(ids, NEW_TOKENS, temperature=0, stop=[stop])))
+    assert cut.finish_reason == "stop" and cut.cancelled_in_triton
+
+
 def test_streamed_text_holds_back_unfinished_characters_and_stop_string_starts(repository):
     """Token ids pushed one response at a time (Generation.push, what each Triton response goes
     through): a character split over byte tokens waits for its last byte, the start of a stop

@@ -103,6 +103,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.text = ""     # what pieces() has yielded
         self.error: ApiError | None = None
+        self.cancelled_in_triton = False   # the gRPC call was cancelled, not completed
 
     def _inputs(self) -> list:
         p = self.params
@@ -151,7 +152,8 @@ class Generation:
                        None if accepted is None else int(accepted.reshape(-1)[0]),
                        "" if finish is None else finish.reshape(-1)[0].decode())
         finally:
-            call.cancel()   # a finished call: nothing; else Triton cancels the request
+            # a completed call: nothing; else Triton cancels the request
+            self.cancelled_in_triton = bool(call.cancel())
 
     def _failed(self, error: ApiError) -> ApiError:
         self.error = error
@@ -213,8 +215,13 @@ class Generation:
                     m.tokens(len(ids), accepted, now - last if self.tokens and ids else None)
                     last = now
                     yield self.push(ids, finish)
-                    if self.finish_reason:
-                        return
+                    if self.finish_reason and not finish:
+                        return   # a stop string: leaving cancels the request in Triton
+                    # The model's last response (its finish reason): read on to the call's end, not
+                    # cancel it. Tritonserver before 24.12 can crash on a cancellation that races the
+                    # call's completion (triton-inference-server/server#7368, fixed by #7840).
+            if self.finish_reason:
+                return
             # No finish reason on the stream (a repository built before that output): EOS or a stop id
             # ended it with "stop", else max_tokens did.
             last_id = self.tokens[-1] if self.tokens else None
