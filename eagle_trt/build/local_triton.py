@@ -165,7 +165,8 @@ class LocalTriton:
 
     def __enter__(self) -> LocalTriton:
         root = bundled_tritonserver()
-        for attempt in range(3):
+        redraws = 2 if self.chosen_ports else 0
+        while True:
             self._start(root)
             try:
                 self._wait_ready()
@@ -173,14 +174,14 @@ class LocalTriton:
             except TritonUnavailable as exc:
                 log = self.log
                 self.__exit__(None, None, None)
-                if not (self.chosen_ports and "already in use" in log.lower() and attempt < 2):
+                if not (redraws and "already in use" in log.lower()):
                     raise exc from None
                 # another process took a drawn port between the draw and the server's bind: draw again
+                redraws -= 1
                 self.grpc_port, self.http_port = free_port(), free_port()
             except BaseException:   # interrupted (Ctrl-C, SIGTERM) while starting: stop it
                 self.__exit__(None, None, None)
                 raise
-        raise AssertionError("unreachable")
 
     def _start(self, root: Path) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="eagle_trt_triton_"))
@@ -215,8 +216,8 @@ class LocalTriton:
         return self.proc is not None and self.proc.poll() is None
 
     def death(self) -> str | None:
-        """Why a server that was started is gone without being stopped (None while it runs): its
-        exit status (negative: the signal that ended it) and the end of its log."""
+        """Why a started server is not running (None while it runs): its exit status (negative: the
+        signal that ended it) and the end of its log; asked while it should run, why it died."""
         if self.proc is None or self.proc.poll() is None:
             return None
         return (f"tritonserver (grpc {self.grpc_port}, http {self.http_port}) exited with status "

@@ -32,6 +32,7 @@ from .features import (MANIFEST, PRECISIONS, ConcatStore, FeatureError, FeatureC
 from .regenerate import DistillError, DistillSet, set_digest
 from .regenerate import features_dir as distill_features_dir
 from .ttt import INITS, TrainConfig, auto_autocast, new_drafter, train
+from .vocab import DEFAULT_SIZE as DEFAULT_DRAFT_VOCAB
 from .vocab import DraftVocab, build_draft_vocab, count_tokens, grow_draft_vocab
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -95,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train each sequence only through its first N tokens of looping answer text (tokens "
                         "that end a 9-gram seen earlier in it; eagle_trt/train/loops.py); 0: whole sequences")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft vocabulary size: the N most frequent answer tokens (default 8192); with "
+                   help=f"draft vocabulary size: the N most frequent answer tokens (default {DEFAULT_DRAFT_VOCAB}); with "
                         "--init-from, N above the drafter's own size grows its vocabulary by the most frequent "
                         "other tokens, their head rows the target's (default: the drafter's own size)")
     p.add_argument("--batch-size", type=int, default=4)
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
         print(f"features: training on {len(store)} sequences, {store.tokens} tokens from {1 + len(extras)} caches")
 
     feat_dir.mkdir(parents=True, exist_ok=True)   # the draft vocabulary is kept there in either mode
-    vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab or 8192}{suffix}.safetensors"
+    vocab_path = feat_dir / f"draft_vocab_{args.draft_vocab or DEFAULT_DRAFT_VOCAB}{suffix}.safetensors"
     V = target.config.vocab_size
     start = None
     if args.init_from:
@@ -296,15 +297,13 @@ def main(argv=None) -> int:
         items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
         counts = count_tokens(*zip(*[(it["ids"], it["mask"]) for it in items]), V)
         used = start.to_target_ids(torch.arange(start.cfg.draft_vocab_size, device=start.d2t.device)).cpu()
-        if args.draft_vocab is not None and args.draft_vocab != used.numel():
-            try:
-                vocab = grow_draft_vocab(used, counts, args.draft_vocab)
-            except ValueError as exc:
-                print(f"error: --draft-vocab {args.draft_vocab} with --init-from {args.init_from}: {exc}", file=sys.stderr)
-                return 2
+        try:
+            vocab = grow_draft_vocab(used, counts, args.draft_vocab or used.numel())
+        except ValueError as exc:
+            print(f"error: --draft-vocab {args.draft_vocab} with --init-from {args.init_from}: {exc}", file=sys.stderr)
+            return 2
+        if vocab.size != used.numel():
             print(f"vocab: {args.init_from}'s {used.numel()} draft ids grown to {vocab.size}")
-        else:
-            vocab = DraftVocab.from_used(used, V, float(counts[used].sum()) / max(int(counts.sum()), 1))
         vocab_path = args.init_from / "model.safetensors"
     elif vocab_path.is_file():
         vocab = DraftVocab.load(vocab_path, V)
@@ -312,7 +311,7 @@ def main(argv=None) -> int:
         items = (store.get(i, ("ids", "mask")) for i in range(len(store)))
         ids_masks = [(it["ids"], it["mask"]) for it in items]
         counts = count_tokens([a for a, _ in ids_masks], [m for _, m in ids_masks], V)
-        vocab = build_draft_vocab(counts, min(args.draft_vocab or 8192, V))
+        vocab = build_draft_vocab(counts, min(args.draft_vocab or DEFAULT_DRAFT_VOCAB, V))
         vocab.save(vocab_path)
     print(f"vocab: {vocab.size} draft ids cover {vocab.coverage:.2%} of assistant tokens ({vocab_path})")
     info["vocab"] = {"size": vocab.size, "coverage": vocab.coverage, "file": str(vocab_path)}

@@ -70,6 +70,9 @@ def count_tokens(sequences: Iterable[torch.Tensor], masks: Iterable[torch.Tensor
     return counts
 
 
+DEFAULT_SIZE = 8192    # draft ids of a new drafter (the shipped ones have this many)
+
+
 def build_draft_vocab(counts: torch.Tensor, size: int) -> DraftVocab:
     """Top `size` ids by count; ties (including never-seen ids) broken by the lower id."""
     V = counts.numel()
@@ -77,14 +80,18 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> DraftVocab:
         raise ValueError(f"draft vocabulary size {size} must be in 1..{V} (the target's vocab_size)")
     # Stable descending sort on counts keeps ascending id order among equal counts.
     order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    return DraftVocab.from_used(order, V, _coverage(counts, order))
+
+
+def _coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
     total = int(counts.sum())
-    coverage = float(counts[order].sum()) / total if total else float("nan")
-    return DraftVocab.from_used(order, V, coverage)
+    return float(counts[ids].sum()) / total if total else float("nan")
 
 
 def grow_draft_vocab(used: torch.Tensor, counts: torch.Tensor, size: int) -> DraftVocab:
     """`used` (a drafter's ids) and the most frequent other ids by `counts`, `size` in all: a
-    trained drafter's vocabulary grown, its own ids kept (ties broken by the lower id)."""
+    trained drafter's vocabulary grown, its own ids kept (ties broken by the lower id); `size`
+    equal to its own: that vocabulary, its coverage counted."""
     V = counts.numel()
     used = torch.as_tensor(used, dtype=torch.int64)
     if not used.numel() <= size <= V:
@@ -94,8 +101,7 @@ def grow_draft_vocab(used: torch.Tensor, counts: torch.Tensor, size: int) -> Dra
     others[used] = -1
     added = torch.sort(others, descending=True, stable=True).indices[:size - used.numel()]
     kept = torch.cat([used, added])
-    total = int(counts.sum())
-    return DraftVocab.from_used(kept, V, float(counts[kept].sum()) / total if total else float("nan"))
+    return DraftVocab.from_used(kept, V, _coverage(counts, kept))
 
 
-__all__ = ["DraftVocab", "build_draft_vocab", "count_tokens", "grow_draft_vocab"]
+__all__ = ["DEFAULT_SIZE", "DraftVocab", "build_draft_vocab", "count_tokens", "grow_draft_vocab"]
