@@ -20,6 +20,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+from eagle_trt.export.cpu_attention import fused_feeds  # noqa: E402
 from eagle_trt.runtime.sessions import make_session  # noqa: E402
 
 
@@ -64,9 +65,10 @@ def target_feeds(s: ort.InferenceSession, tokens: int, past: int) -> dict:
              "attention_mask": np.ones((1, tokens, past + tokens), bool), "logits_index": np.arange(tokens)}
     for i in s.get_inputs():
         if i.name.startswith("past_"):
-            shape = [1 if d == "batch" else past if d == "past_tokens" else d for d in i.shape]
+            shape = [1 if d == "batch" else past if d in ("past_tokens", "cache_rows") else d for d in i.shape]
             feeds[i.name] = gen.standard_normal(shape, dtype=np.float32)
-    return feeds
+    fused = any("cache_rows" in i.shape for i in s.get_inputs())     # export/cpu_attention.py's graph
+    return fused_feeds(feeds) if fused else feeds
 
 
 def main(argv=None) -> int:
@@ -95,6 +97,13 @@ def main(argv=None) -> int:
                                                                    dtype=np.float32)}
                 calls[name] = (s, [s.get_outputs()[0].name], feeds)
                 s.run(*calls[name][1:])
+            first = None
+            for name, (s, outputs, feeds) in calls.items():      # the same feeds: how far each lies from the first
+                if name != FLOOR:
+                    out = s.run(outputs, feeds)[0]
+                    first = out if first is None else first
+                    print(f"{tokens} token(s): {name}: {outputs[0]} max abs difference from the first graph's "
+                          f"{float(np.abs(out - first).max()):.2e}")
             times = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for name, (s, outputs, feeds) in calls.items():

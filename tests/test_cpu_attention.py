@@ -152,6 +152,34 @@ def test_fused_graph_outputs_equal_the_portable_graphs_on_parity_feeds(tiny_grap
                 np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4, err_msg=name)
 
 
+def test_packed_projections_are_bit_identical_to_separate_ones(tiny_graphs, fused, tmp_path):
+    """Each layer's q / k / v one MatMul read as packed QKV by the operator, its gate / up one
+    MatMul and a Split: the same sums column by column, so every output equals the graph with
+    separate projections exactly, prefills and tree verifications alike."""
+    from eagle_trt.export.cpu_attention import fused_feeds
+    from eagle_trt.parity import target_case
+    from eagle_trt.runtime.sessions import make_session
+    target, drafter, graphs, prompts = tiny_graphs
+    layers = target.config.num_hidden_layers
+    separate = tmp_path / "separate.onnx"
+    assert fuse_attention(graphs["target"], separate, target.config, pack=False)["packed_layers"] == 0
+    packed_model, separate_model = onnx.load(str(fused[0])), onnx.load(str(separate))
+    operators = [n for n in packed_model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(operators) == layers and all(n.input[1] == n.input[2] == "" for n in operators)
+
+    def matmuls(m):
+        return sum(n.op_type == "MatMul" for n in m.graph.node)
+    assert matmuls(separate_model) - matmuls(packed_model) == 3 * layers
+    case = target_case(target.model, graphs["target"], "float32", prompts[1:3], TINY_SHAPE, drafter)
+    a, b = make_session(separate, 1), make_session(fused[0], 1)
+    names = ["logits", "captured", "accept_tokens"]
+    single = [fused_feeds(f) for f in case.feeds if f["input_ids"].shape[0] == 1]
+    assert any(f["input_ids"].shape[1] > 1 for f in single)
+    for feed in single:
+        for name, x, y in zip(names, a.run(names, feed), b.run(names, feed)):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def fused_build(tmp_path_factory):
     """The default build of a tiny fp32 target served one stream at a time (serving.attention auto)."""

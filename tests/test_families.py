@@ -19,6 +19,7 @@ import torch
 from eagle_trt.checkpoints import load_target, random_drafter
 from eagle_trt.config import TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
+from eagle_trt.export.cpu_attention import FusedAttentionError, check_fusable, fuse_attention
 from eagle_trt.runtime.backend import TorchDrafter, TorchTarget
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtTarget
 
@@ -119,8 +120,10 @@ def test_reference_depends_on_the_feature(case):
     assert without != references, f"{name}: turning the feature off changes nothing, so the test could not fail"
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime", "onnxruntime fused"])
 def test_speculative_greedy_equals_transformers(case, backend, tmp_path):
+    """"onnxruntime fused": the CPU target graph (export/cpu_attention.py: GroupQueryAttention,
+    packed q / k / v and gate / up projections with their biases) where the family maps to it."""
     name, folder, prompts, references, _ = case
     target = load_target(folder)
     drafter = random_drafter(target, "eagle3.1", seed=1, draft_vocab_size=64)
@@ -128,9 +131,19 @@ def test_speculative_greedy_equals_transformers(case, backend, tmp_path):
     if backend == "torch":
         t, d = TorchTarget(target.model), TorchDrafter(drafter, SHAPE)
     else:
-        t = OrtTarget(export_target(target.model, tmp_path / "target.onnx").path, target.config.max_position_embeddings)
+        graph = export_target(target.model, tmp_path / "target.onnx").path
+        if backend == "onnxruntime fused":
+            try:
+                check_fusable(target.config, name)
+            except FusedAttentionError as e:
+                pytest.skip(str(e))
+            counts = fuse_attention(graph, tmp_path / "target_fused.onnx", target.config)
+            assert counts["packed_layers"] == target.config.num_hidden_layers
+            graph = tmp_path / "target_fused.onnx"
+        t = OrtTarget(graph, target.config.max_position_embeddings)
         d = OrtDrafter(export_drafter_tree(drafter, SHAPE, tmp_path / "drafter_tree.onnx").path, SHAPE)
-    check_planted_greedy(t, d, prompts, references, eos=(), batch=2)
+    # the fused graph verifies one sequence a call: its batched pass would be refused
+    check_planted_greedy(t, d, prompts, references, eos=(), batch=0 if backend == "onnxruntime fused" else 2)
 
 
 def test_family_configs_round_trip(case):

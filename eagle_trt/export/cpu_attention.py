@@ -20,6 +20,11 @@ CPU models are written:
   rows, then the tree): each sequence's committed length is counted from it, and the tree part is
   moved to the columns where the new rows now are, as the operator's additive attention_bias.
 
+- Each layer's q / k / v projections one MatMul (their weights side by side; the operator takes
+  packed QKV) and its gate / up projections one MatMul and a Split: 60 fewer nodes for SmolLM2,
+  the same float sums column by column, so the outputs are bit-identical to separate MatMuls
+  (a 4-bit graph's MatMulNBits stay separate).
+
 The runtime feeds it exactly what it feeds the portable graph; only where the new rows go
 differs (runtime/onnxruntime_backend.py). The operator's CPU kernel takes several new rows
 after a past only at batch 1, so verification and prefill on this graph run one sequence a call
@@ -38,7 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..config import TargetConfig
 from ..graph_names import target_kv_names
 from ..models.target import RotaryEmbedding
-from .graph_files import rewrite_graph
+from .graph_files import DataFile, new_tensor, read_array, rewrite_graph
 from .shape_folding import remove_unused
 
 GQA = "GroupQueryAttention"
@@ -126,8 +131,61 @@ def _last_output(nodes, prefix: str, where: str) -> str:
     return named[-1].output[0]
 
 
-def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph") -> dict:
-    """Rewrite `model` (the portable target graph, its weights not loaded) in place."""
+class _Packer:
+    """Projections that read the same input made one MatMul: their float weights side by side (and
+    their biases), so each output column is the same sum as before. What is not a plain float
+    MatMul of a weight (a 4-bit MatMulNBits) is left as it is."""
+
+    def __init__(self, g: onnx.GraphProto, source_dir: Path | None, data: DataFile | None):
+        self.weights = {t.name: t for t in g.initializer}
+        self.source_dir, self.data, self.new = source_dir, data, []
+
+    def _parts(self, nodes, prefix: str):
+        """(MatMul, bias Add or None) of the projection `prefix`, or None if it is not one."""
+        named = [n for n in nodes if n.name.startswith(prefix)]
+        if not named or named[0].op_type != "MatMul" or named[0].input[1] not in self.weights or len(named) > 2:
+            return None
+        if len(named) == 2 and not (named[1].op_type == "Add" and named[0].output[0] in named[1].input
+                                    and any(i in self.weights for i in named[1].input)):
+            return None
+        return named[0], (named[1] if len(named) == 2 else None)
+
+    def _array(self, name: str) -> np.ndarray:
+        return read_array(self.weights[name], self.source_dir or ".")
+
+    def pack(self, nodes, prefixes: list[str], packed: str) -> tuple[list, str, list[int], list] | None:
+        """(new nodes, their output, each projection's width, the nodes they replace) or None
+        where the projections do not pack."""
+        parts = [self._parts(nodes, p) for p in prefixes]
+        if any(p is None for p in parts) or len({m.input[0] for m, _ in parts}) != 1 or \
+                len({b is None for _, b in parts}) != 1:
+            return None
+        weights = [self._array(m.input[1]) for m, _ in parts]
+        if any(w.dtype != np.float32 or w.ndim != 2 for w in weights):
+            return None
+        w = np.concatenate(weights, axis=1)
+        self.new.append(new_tensor(f"{packed}.weight_t", TensorProto.FLOAT, list(w.shape), w.tobytes(), self.data))
+        out = f"{packed}/MatMul_output_0"
+        made = [helper.make_node("MatMul", [parts[0][0].input[0], f"{packed}.weight_t"], [out], name=f"{packed}/MatMul")]
+        if parts[0][1] is not None:
+            bias = np.concatenate([self._array(next(i for i in b.input if i in self.weights)) for _, b in parts])
+            self.new.append(numpy_helper.from_array(bias.astype(np.float32), f"{packed}.bias"))
+            made.append(helper.make_node("Add", [out, f"{packed}.bias"], [f"{packed}/Add_output_0"], name=f"{packed}/Add"))
+            out = made[-1].output[0]
+        return made, out, [int(x.shape[1]) for x in weights], [n for part in parts for n in part if n is not None]
+
+    def split(self, made: list, out: str, widths: list[int], outputs: list[str], name: str) -> list:
+        """`made` and a Split of its output `out` into the projections' own outputs."""
+        sizes = f"{name}/sizes"
+        self.new.append(numpy_helper.from_array(np.array(widths, np.int64), sizes))
+        return made + [helper.make_node("Split", [out, sizes], outputs, name=f"{name}/Split", axis=-1)]
+
+
+def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph", source_dir: Path | None = None,
+         data: DataFile | None = None, pack: bool = True) -> dict:
+    """Rewrite `model` (the portable target graph, its weights not loaded) in place. source_dir:
+    where its weights lie (the packed projections read them), data: the new graph's weights file
+    (rewrite_graph's). pack=False keeps every projection its own MatMul."""
     check_fusable(cfg, where)
     g = model.graph
     inputs = {i.name: i for i in g.input}
@@ -140,23 +198,37 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
     cos, sin = rope_tables(cfg)
     consts += [numpy_helper.from_array(cos, "fused_attention/cos_cache"),
                numpy_helper.from_array(sin, "fused_attention/sin_cache")]
-    fused = {}      # id of each layer's o_proj node -> the GroupQueryAttention node it now reads
+    fused = {}      # id of a node -> the nodes that go right before it (an operator, packed projections)
+    packer = _Packer(g, source_dir, data)
+    packed_layers, dropped = 0, set()
     kv_names = target_kv_names(cfg.num_hidden_layers, in_place=True)
     for layer, (past_k, past_v, present_k, present_v) in enumerate(kv_names):
         scope = f"/model/layers.{layer}/self_attn/"
         q, k, v = (_last_output(nodes, f"{scope}{p}_proj/", where) for p in "qkv")
+        qkv = packer.pack(nodes, [f"{scope}{p}_proj/" for p in "qkv"], f"{scope}qkv_proj") if pack else None
+        before = []
+        if qkv is not None:            # the operator takes packed QKV: key and value left empty
+            before, (q, k, v) = qkv[0], (qkv[1], "", "")     # the separate ones go unread
+            packed_layers += 1
+        mlp = f"/model/layers.{layer}/mlp/"
+        gate_up = packer.pack(nodes, [f"{mlp}gate_proj/", f"{mlp}up_proj/"], f"{mlp}gate_up_proj") if pack else None
+        if gate_up is not None:        # the Split writes the separate ones' outputs: they go
+            made, out, widths, replaced = gate_up
+            ends = [_last_output(nodes, f"{mlp}{p}_proj/", where) for p in ("gate", "up")]
+            fused[id(replaced[0])] = packer.split(made, out, widths, ends, f"{mlp}gate_up_proj")
+            dropped.update(id(n) for n in replaced)
         o_proj = [n for n in nodes if n.name.startswith(f"{scope}o_proj/")
                   and n.op_type in ("MatMul", "Gemm", "MatMulNBits")]     # MatMulNBits: the 4-bit target
         if not o_proj:
             raise FusedAttentionError(f"{where}: layer {layer} has no o_proj MatMul")
         out = f"{scope}{GQA}_output_0"
-        fused[id(o_proj[0])] = helper.make_node(
+        fused[id(o_proj[0])] = before + [helper.make_node(
             GQA, [q, k, v, past_k, past_v, "fused_attention/seqlens_k",
                   "fused_attention/total_sequence_length", "fused_attention/cos_cache", "fused_attention/sin_cache",
                   "position_ids", "fused_attention/attention_bias"],
             [out, present_k, present_v], name=f"{scope}{GQA}", domain="com.microsoft",
             num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads,
-            do_rotary=int(layer not in cfg.arch.nope_layers))
+            do_rotary=int(layer not in cfg.arch.nope_layers))]
         o_proj[0].input[0] = out
     kv_shape = ["batch", cfg.num_key_value_heads, "cache_rows", cfg.head_dim]
     outputs = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
@@ -167,24 +239,25 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph")
             for d, size in zip(i.type.tensor_type.shape.dim, kv_shape):
                 if isinstance(size, str):
                     d.dim_param = size
-    # in topological order: the mask's nodes read graph inputs only, each layer's operator goes
-    # right before the o_proj that reads it; then the portable attention's nodes go, unread
-    order = mask_nodes + [m for n in nodes for m in ((fused[id(n)], n) if id(n) in fused else (n,))]
+    # in topological order: the mask's nodes read graph inputs only, each layer's operator (after
+    # its packed projection) goes right before the o_proj that reads it, the packed gate / up in
+    # the gate's place; then the portable attention's and the separate projections' nodes go, unread
+    order = mask_nodes + [m for n in nodes for m in (*fused.get(id(n), ()), *(() if id(n) in dropped else (n,)))]
     del g.node[:]
     g.node.extend(order)
     del g.output[:]
     g.output.extend(outputs)
-    g.initializer.extend(consts)
+    g.initializer.extend(consts + packer.new)
     remove_unused(g, {t.name for t in g.initializer})
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return {"fused_layers": len(fused), "nodes": len(g.node)}
+    return {"fused_layers": len(kv_names), "packed_layers": packed_layers, "nodes": len(g.node)}
 
 
-def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig) -> dict:
+def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig, pack: bool = True) -> dict:
     """Write the fused-attention copy of the portable target graph `src` to `dst` (atomically:
     a failed run leaves no `dst`). Returns counts for the log."""
-    return rewrite_graph(src, dst, lambda model, _data: fuse(model, cfg, str(src)))
+    return rewrite_graph(src, dst, lambda model, data: fuse(model, cfg, str(src), Path(src).parent, data, pack))
 
 
 def fused_feeds(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
