@@ -63,7 +63,8 @@ def target_feeds(s: ort.InferenceSession, tokens: int, past: int) -> dict:
     feeds = {"input_ids": np.full((1, tokens), 1, np.int64),     # an id every vocabulary has
              "position_ids": np.arange(past, past + tokens)[None].astype(np.int64),
              "attention_mask": np.ones((1, tokens, past + tokens), bool), "logits_index": np.arange(tokens)}
-    for i in s.get_inputs():
+    feeds["attention_mask"][0, :, past:] = np.tril(np.ones((tokens, tokens), bool))   # a chain, as verified
+    for i in sorted(s.get_inputs(), key=lambda i: i.name):      # each past the same in every graph
         if i.name.startswith("past_"):
             shape = [1 if d == "batch" else past if d in ("past_tokens", "cache_rows") else d for d in i.shape]
             feeds[i.name] = gen.standard_normal(shape, dtype=np.float32)

@@ -178,8 +178,10 @@ def test_a_provable_view_is_folded_and_an_unprovable_one_is_left():
 
 
 def test_graph_ab_times_graphs_and_their_weight_matmuls(tiny_graphs, tmp_path, capsys):
-    """scripts/graph_ab.py on a tiny target graph: a line per graph and token count, and the
-    --floor graph holds exactly the target's weight MatMuls (the tied head included) and runs."""
+    """scripts/graph_ab.py on a tiny target graph: a timing line per graph and token count and a
+    distance line per graph, the --floor graph holding exactly the target's weight MatMuls (the
+    tied head included) and running; a fused-attention graph beside the portable one is fed its
+    own layout (more cache rows) and lies within the fp32 floor of it."""
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location("graph_ab", Path(__file__).parents[1] / "scripts" / "graph_ab.py")
@@ -188,7 +190,16 @@ def test_graph_ab_times_graphs_and_their_weight_matmuls(tiny_graphs, tmp_path, c
     target = tiny_graphs[2]["target"]
     assert graph_ab.main([str(target), "--floor", "--tokens", "1,3", "--rounds", "1", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and sum("weight MatMuls only" in line for line in lines) == 2, lines
+    timing, distance = [x for x in lines if "median" in x], [x for x in lines if "max abs difference" in x]
+    assert len(timing) == 4 and sum("weight MatMuls only" in line for line in timing) == 2, lines
+    assert len(distance) == 2 and all(x.endswith("0.00e+00") for x in distance), lines
+    from eagle_trt.export.cpu_attention import fuse_attention
+    fuse_attention(target, tmp_path / "fused.onnx", tiny_graphs[0].config)
+    context = tiny_graphs[0].config.max_position_embeddings // 2      # positions the model has
+    assert graph_ab.main([str(target), str(tmp_path / "fused.onnx"), "--tokens", "1,3", "--rounds", "1",
+                          "--threads", "1", "--context", str(context)]) == 0
+    fused = [x for x in capsys.readouterr().out.splitlines() if "max abs difference" in x and "fused.onnx" in x]
+    assert len(fused) == 2 and all(float(x.rsplit(" ", 1)[1]) < 1e-3 for x in fused), fused
     m = onnx.load(str(target), load_external_data=False)
     weights = {i.name for i in m.graph.initializer} | {n.output[0] for n in m.graph.node if n.op_type == "Transpose"
                                                        and n.input[0] in {i.name for i in m.graph.initializer}}
