@@ -12,8 +12,10 @@ import torch
 from eagle_trt.api import Models
 from eagle_trt.config import TreeShape
 from eagle_trt.export import export_pipeline
+from eagle_trt.export.cpu_attention import fuse_attention, fused_feeds
 from eagle_trt.runtime.backend import TorchTarget
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
+from eagle_trt.runtime.sessions import make_session
 
 from conftest import capturing, on_graph, rel_l2, two_call
 
@@ -141,6 +143,24 @@ def test_the_int4_target_with_fused_attention_decodes_as_the_int4_graph(int4_gra
     iteration = export_pipeline(models, SHAPE, tmp_path, log=None, only=("iteration",), target_graph=fused)["iteration"]
     model = onnx.load(str(fused), load_external_data=False)
     assert {"MatMulNBits", "GroupQueryAttention"} <= {n.op_type for n in model.graph.node}
+    # q / k / v and gate / up packed (their blocks, scales and zero points stacked): bit-identical
+    layers = tiny_target.config.num_hidden_layers
+    separate = tmp_path / "separate.onnx"
+    fuse_attention(paths["target_int4"], separate, tiny_target.config, pack=False)
+    nbits = [sum(n.op_type == "MatMulNBits" for n in onnx.load(str(g), load_external_data=False).graph.node)
+             for g in (separate, fused)]
+    assert nbits[0] - nbits[1] == 3 * layers
+    a, b = make_session(separate, 1), make_session(fused, 1)
+    rng, T, P = np.random.default_rng(0), 4, 9          # a chain of 4 new rows after 9 random past rows
+    mask = np.ones((1, T, P + T), bool)
+    mask[0, :, P:] = np.tril(mask[0, :, P:])
+    feed = {"input_ids": rng.integers(3, tiny_target.config.vocab_size, (1, T)),
+            "position_ids": np.arange(P, P + T)[None], "attention_mask": mask, "logits_index": np.arange(T)}
+    for i in sorted(b.get_inputs(), key=lambda i: i.name):
+        if i.name.startswith("past_"):
+            feed[i.name] = rng.standard_normal((1, i.shape[1], P, i.shape[3]), dtype=np.float32)
+    feed = fused_feeds(feed)
+    np.testing.assert_array_equal(a.run(["logits"], feed)[0], b.run(["logits"], feed)[0])
     max_context = tiny_target.config.max_position_embeddings
     portable, target = OrtTarget(paths["target_int4"], max_context), OrtTarget(fused, max_context)
     drafter = OrtDrafter(paths["drafter_tree"], SHAPE)

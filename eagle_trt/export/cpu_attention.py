@@ -23,7 +23,7 @@ CPU models are written:
 - Each layer's q / k / v projections one MatMul (their weights side by side; the operator takes
   packed QKV) and its gate / up projections one MatMul and a Split: 60 fewer nodes for SmolLM2,
   the same float sums column by column, so the outputs are bit-identical to separate MatMuls
-  (a 4-bit graph's MatMulNBits stay separate).
+  (a 4-bit graph's MatMulNBits packed alike).
 
 The runtime feeds it exactly what it feeds the portable graph; only where the new rows go
 differs (runtime/onnxruntime_backend.py). The operator's CPU kernel takes several new rows
@@ -132,9 +132,9 @@ def _last_output(nodes, prefix: str, where: str) -> str:
 
 
 class _Packer:
-    """Projections that read the same input made one MatMul: their float weights side by side (and
-    their biases), so each output column is the same sum as before. What is not a plain float
-    MatMul of a weight (a 4-bit MatMulNBits) is left as it is."""
+    """Projections that read the same input made one MatMul: their weights side by side (and their
+    biases), so each output column is the same sum as before: float MatMuls, or 4-bit MatMulNBits
+    alike. Anything else is left as it is."""
 
     def __init__(self, g: onnx.GraphProto, source_dir: Path | None, data: DataFile | None):
         self.weights = {t.name: t for t in g.initializer}
@@ -143,7 +143,8 @@ class _Packer:
     def _parts(self, nodes, prefix: str):
         """(MatMul, bias Add or None) of the projection `prefix`, or None if it is not one."""
         named = [n for n in nodes if n.name.startswith(prefix)]
-        if not named or named[0].op_type != "MatMul" or named[0].input[1] not in self.weights or len(named) > 2:
+        if not named or named[0].op_type not in ("MatMul", "MatMulNBits") or len(named) > 2 or \
+                any(i not in self.weights for i in named[0].input[1:]):
             return None
         if len(named) == 2 and not (named[1].op_type == "Add" and named[0].output[0] in named[1].input
                                     and any(i in self.weights for i in named[1].input)):
@@ -160,19 +161,50 @@ class _Packer:
         if any(p is None for p in parts) or len({m.input[0] for m, _ in parts}) != 1 or \
                 len({b is None for _, b in parts}) != 1:
             return None
-        weights = [self._array(m.input[1]) for m, _ in parts]
-        if any(w.dtype != np.float32 or w.ndim != 2 for w in weights):
+        matmuls = [m for m, _ in parts]
+        made = self._matmul_nbits(matmuls, packed) if matmuls[0].op_type == "MatMulNBits" else \
+            self._matmul(matmuls, packed)
+        if made is None:
             return None
-        w = np.concatenate(weights, axis=1)
-        self.new.append(new_tensor(f"{packed}.weight_t", TensorProto.FLOAT, list(w.shape), w.tobytes(), self.data))
-        out = f"{packed}/MatMul_output_0"
-        made = [helper.make_node("MatMul", [parts[0][0].input[0], f"{packed}.weight_t"], [out], name=f"{packed}/MatMul")]
+        node, widths = made
+        out = node.output[0]
+        made = [node]
         if parts[0][1] is not None:
             bias = np.concatenate([self._array(next(i for i in b.input if i in self.weights)) for _, b in parts])
             self.new.append(numpy_helper.from_array(bias.astype(np.float32), f"{packed}.bias"))
             made.append(helper.make_node("Add", [out, f"{packed}.bias"], [f"{packed}/Add_output_0"], name=f"{packed}/Add"))
             out = made[-1].output[0]
-        return made, out, [int(x.shape[1]) for x in weights], [n for part in parts for n in part if n is not None]
+        return made, out, widths, [n for part in parts for n in part if n is not None]
+
+    def _matmul(self, matmuls, packed: str):
+        """float weights [K, N_i] side by side: one MatMul [K, sum N_i]."""
+        weights = [self._array(m.input[1]) for m in matmuls]
+        if any(w.dtype != np.float32 or w.ndim != 2 for w in weights):
+            return None
+        w = np.concatenate(weights, axis=1)
+        self.new.append(new_tensor(f"{packed}.weight_t", TensorProto.FLOAT, list(w.shape), w.tobytes(), self.data))
+        node = helper.make_node("MatMul", [matmuls[0].input[0], f"{packed}.weight_t"], [f"{packed}/MatMul_output_0"],
+                                name=f"{packed}/MatMul")
+        return node, [int(x.shape[1]) for x in weights]
+
+    def _matmul_nbits(self, matmuls, packed: str):
+        """4-bit MatMulNBits of the same K, bits and blocks: their blocks, scales and zero points
+        (each N-major) stacked along N, one MatMulNBits."""
+        attrs = [{a.name: helper.get_attribute_value(a) for a in m.attribute} for m in matmuls]
+        same = [{k: v for k, v in a.items() if k != "N"} for a in attrs]
+        # weights, scales and zero points only: g_idx (along K) or a bias input would not stack so
+        if any(a != same[0] for a in same) or len({len(m.input) for m in matmuls}) != 1 or len(matmuls[0].input) > 4:
+            return None
+        inputs = [matmuls[0].input[0]]
+        for j, suffix in enumerate(("Q4", "scales", "zero_points")[:len(matmuls[0].input) - 1], 1):
+            tensors = [self.weights[m.input[j]] for m in matmuls]
+            stacked = np.concatenate([self._array(t.name) for t in tensors], axis=0)
+            name = f"{packed}.weight_t_{suffix}"
+            self.new.append(new_tensor(name, tensors[0].data_type, list(stacked.shape), stacked.tobytes(), self.data))
+            inputs.append(name)
+        node = helper.make_node("MatMulNBits", inputs, [f"{packed}/MatMul_output_0"], name=f"{packed}/MatMulNBits",
+                                domain=matmuls[0].domain, **dict(same[0], N=sum(int(a["N"]) for a in attrs)))
+        return node, [int(a["N"]) for a in attrs]
 
     def split(self, made: list, out: str, widths: list[int], outputs: list[str], name: str) -> list:
         """`made` and a Split of its output `out` into the projections' own outputs."""
