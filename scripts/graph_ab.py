@@ -91,20 +91,17 @@ def main(argv=None) -> int:
         if args.floor:
             sessions[FLOOR] = make_session(matmul_floor(args.graphs[0], Path(tmp)), args.threads)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            calls = {}
+            calls, first = {}, None
             for name, s in sessions.items():
                 feeds = target_feeds(s, tokens, args.context) if name != FLOOR else \
                     {"x": np.random.default_rng(0).standard_normal((1, tokens, s.get_inputs()[0].shape[2]),
                                                                    dtype=np.float32)}
                 calls[name] = (s, [s.get_outputs()[0].name], feeds)
-                s.run(*calls[name][1:])
-            first = None
-            for name, (s, outputs, feeds) in calls.items():      # the same feeds: how far each lies from the first
-                if name != FLOOR:
-                    out = s.run(outputs, feeds)[0]
+                out = s.run(*calls[name][1:])[0]          # the warm-up call; then, on the same feeds,
+                if name != FLOOR:                         # how far each graph lies from the first
                     first = out if first is None else first
-                    print(f"{tokens} token(s): {name}: {outputs[0]} max abs difference from the first graph's "
-                          f"{float(np.abs(out - first).max()):.2e}")
+                    print(f"{tokens} token(s): {name}: {calls[name][1][0]} max abs difference from the first "
+                          f"graph's {float(np.abs(out - first).max()):.2e}")
             times = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for name, (s, outputs, feeds) in calls.items():

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -612,3 +613,18 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
     assert sum(accepted) / len(accepted) > 2.0, "drafts were not accepted: the check would be vacuous"
     assert max(accepted) >= 4
 
+
+
+def chain_feed(cfg, batch: int, tokens: int, past: int, gen: np.random.Generator) -> dict[str, np.ndarray]:
+    """A portable target graph's feed: random ids, `tokens` new rows in a causal chain after `past`
+    random rows of KV per layer (what a verification of a chain sees)."""
+    causal = np.concatenate([np.ones((tokens, past), bool), np.tril(np.ones((tokens, tokens), bool))], axis=1)
+    feed = {"input_ids": gen.integers(3, cfg.vocab_size, (batch, tokens)),
+            "position_ids": np.tile(np.arange(past, past + tokens), (batch, 1)),
+            "attention_mask": np.broadcast_to(causal, (batch, tokens, past + tokens)).copy(),
+            "logits_index": np.arange(tokens)}
+    for i in range(cfg.num_hidden_layers):
+        for kind in ("key", "value"):
+            feed[f"past_{kind}_{i}"] = gen.standard_normal((batch, cfg.num_key_value_heads, past, cfg.head_dim),
+                                                           dtype=np.float32)
+    return feed

@@ -17,7 +17,7 @@ from eagle_trt.runtime.backend import TorchTarget
 from eagle_trt.runtime.onnxruntime_backend import OrtDrafter, OrtIteration, OrtTarget
 from eagle_trt.runtime.sessions import make_session
 
-from conftest import capturing, on_graph, rel_l2, two_call
+from conftest import capturing, chain_feed, on_graph, rel_l2, two_call
 
 SHAPE = TreeShape(depth=3, top_k=2, total_tokens=5)
 
@@ -151,15 +151,8 @@ def test_the_int4_target_with_fused_attention_decodes_as_the_int4_graph(int4_gra
              for g in (separate, fused)]
     assert nbits[0] - nbits[1] == 3 * layers
     a, b = make_session(separate, 1), make_session(fused, 1)
-    rng, T, P = np.random.default_rng(0), 4, 9          # a chain of 4 new rows after 9 random past rows
-    mask = np.ones((1, T, P + T), bool)
-    mask[0, :, P:] = np.tril(mask[0, :, P:])
-    feed = {"input_ids": rng.integers(3, tiny_target.config.vocab_size, (1, T)),
-            "position_ids": np.arange(P, P + T)[None], "attention_mask": mask, "logits_index": np.arange(T)}
-    for i in sorted(b.get_inputs(), key=lambda i: i.name):
-        if i.name.startswith("past_"):
-            feed[i.name] = rng.standard_normal((1, i.shape[1], P, i.shape[3]), dtype=np.float32)
-    feed = fused_feeds(feed)
+    # a chain of 4 new rows after 9 random past rows, in the fused graph's layout
+    feed = fused_feeds(chain_feed(tiny_target.config, 1, 4, 9, np.random.default_rng(0)))
     np.testing.assert_array_equal(a.run(["logits"], feed)[0], b.run(["logits"], feed)[0])
     max_context = tiny_target.config.max_position_embeddings
     portable, target = OrtTarget(paths["target_int4"], max_context), OrtTarget(fused, max_context)

@@ -17,7 +17,7 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.export.shape_folding import fold_shapes
 
-from conftest import capturing, write_tiny_hf_target
+from conftest import capturing, chain_feed, write_tiny_hf_target
 
 SHAPE = TreeShape(depth=3, top_k=3, total_tokens=8)
 SIZES = [(1, 1, 0), (2, 3, 7), (1, 6, 1), (3, 1, 4)]     # (batch, new tokens, past tokens)
@@ -73,20 +73,7 @@ def test_target_graph_folded_equals_traced_at_other_sizes(family, tmp_path, monk
     nodes = [len(onnx.load(str(p), load_external_data=False).graph.node) for p in (folded, traced)]
     assert nodes[0] < 0.75 * nodes[1], nodes
     gen = np.random.default_rng(0)
-    cfg = model.cfg
-    feeds_list = []
-    for B, T, P in SIZES:
-        causal = np.concatenate([np.ones((T, P), bool), np.tril(np.ones((T, T), bool))], axis=1)
-        feeds = {"input_ids": gen.integers(3, cfg.vocab_size, (B, T)),
-                 "position_ids": np.tile(np.arange(P, P + T), (B, 1)),
-                 "attention_mask": np.broadcast_to(causal, (B, T, P + T)).copy(),
-                 "logits_index": np.arange(T)}
-        for i in range(cfg.num_hidden_layers):
-            for kind in ("key", "value"):
-                feeds[f"past_{kind}_{i}"] = gen.standard_normal((B, cfg.num_key_value_heads, P, cfg.head_dim),
-                                                                dtype=np.float32)
-        feeds_list.append(feeds)
-    assert_same_outputs(folded, traced, feeds_list)
+    assert_same_outputs(folded, traced, [chain_feed(model.cfg, B, T, P, gen) for B, T, P in SIZES])
 
 
 def test_drafter_tree_graph_folded_equals_traced_at_other_sizes(tiny_target, tmp_path, monkeypatch):

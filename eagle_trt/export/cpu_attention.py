@@ -178,9 +178,10 @@ class _Packer:
 
     def _matmul(self, matmuls, packed: str):
         """float weights [K, N_i] side by side: one MatMul [K, sum N_i]."""
-        weights = [self._array(m.input[1]) for m in matmuls]
-        if any(w.dtype != np.float32 or w.ndim != 2 for w in weights):
+        tensors = [self.weights[m.input[1]] for m in matmuls]
+        if any(t.data_type != TensorProto.FLOAT or len(t.dims) != 2 for t in tensors):
             return None
+        weights = [self._array(t.name) for t in tensors]
         w = np.concatenate(weights, axis=1)
         self.new.append(new_tensor(f"{packed}.weight_t", TensorProto.FLOAT, list(w.shape), w.tobytes(), self.data))
         node = helper.make_node("MatMul", [matmuls[0].input[0], f"{packed}.weight_t"], [f"{packed}/MatMul_output_0"],
