@@ -17,7 +17,7 @@ from eagle_trt.config import TreeShape
 from eagle_trt.export import export_drafter_tree, export_target
 from eagle_trt.export.shape_folding import fold_shapes
 
-from conftest import capturing, chain_feed, write_tiny_hf_target
+from conftest import chain_feed, write_tiny_hf_target
 
 SHAPE = TreeShape(depth=3, top_k=3, total_tokens=8)
 SIZES = [(1, 1, 0), (2, 3, 7), (1, 6, 1), (3, 1, 4)]     # (batch, new tokens, past tokens)
