@@ -61,6 +61,8 @@ from .workloads import build
 # --tree auto tries these: chains and small trees suit hardware where verifying more tokens
 # costs noticeably more than one (a CPU), wider trees the memory-bound regime of a GPU.
 TREE_CANDIDATES = "2,1,2;3,1,3;3,2,4;4,2,6;4,4,12;5,4,16"
+# --tree auto on a target graph lossless for chains only (the fused 4-bit graph's int8 activations)
+CHAIN_CANDIDATES = "2,1,2;3,1,3;4,1,4;5,1,5"
 
 
 def _decoding(sampling: SamplingConfig | None) -> str:
@@ -178,7 +180,9 @@ def parser() -> argparse.ArgumentParser:
                    "or 'auto' (--tree-candidates). Several: on a CPU the fastest on --sweep-prompts MT-bench prompts "
                    "not among the measured ones is measured; the rows measure each (a captured speculative row each; "
                    "the ONNX Runtime rows take the first)")
-    p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto")
+    p.add_argument("--tree-candidates", default=TREE_CANDIDATES, help="';'-separated shapes for --tree auto (by "
+                   f"default {TREE_CANDIDATES}; on a target graph lossless for chains only, the fused 4-bit one, "
+                   f"{CHAIN_CANDIDATES})")
     p.add_argument("--sweep-prompts", type=int, default=None, help="held-out prompts of the tree sweep (default 3; "
                    "the rows have no sweep)")
     p.add_argument("--repeats", type=int, default=2, help="runs per prompt of each mode (ONNX Runtime modes on a CPU, "
@@ -379,6 +383,9 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
         target_graph = export_pipeline(f32, shapes[0], folder, log=sys.stderr, only=(target_name,))[target_name]
     target = open_backends({"target": target_graph}, None, f32.target.config.max_position_embeddings,
                            threads=threads, precision=precision).target
+    if target.lossless_trees == "chains" and args.tree == "auto" and args.tree_candidates == TREE_CANDIDATES:
+        # (a tree given is refused with the reason, by open_backends)
+        shapes = [parse_tree(t) for t in CHAIN_CANDIDATES.split(";")]
     tree_sweep = []
     if len(shapes) > 1:
         print(f"tree sweep on {len(sweep)} held-out MT-bench prompts, shapes taking turns, fastest of "

@@ -23,7 +23,10 @@ drafter step:  hidden [1,T,W], input_ids, position_ids [1,T], attention_mask [1,
 target, fused attention (export/cpu_attention.py, ONNX Runtime's CPU provider): the target's
                inputs, with past_key_{i}, past_value_{i} [B,Hkv,S,D] each sequence's whole block of
                S cache rows; present_key_{i}, present_value_{i} (the same memory, written in place:
-               a sequence's new rows right after its committed ones) instead of new_key_{i}, new_value_{i}
+               a sequence's new rows right after its committed ones) instead of new_key_{i}, new_value_{i}.
+               Its 4-bit form with int8 activations pads a one-row call (a second KV row written
+               after the new one: a cache needs room for it) and is lossless for chain trees only;
+               its metadata says so (PADS_ONE_ROW, LOSSLESS_TREES)
 iteration:     the drafter tree graph's names prefixed with PREFIX, then the target graph's, plus
                VERIFY_NODES in and HANDOFF out (export/iteration.py)
 """
@@ -42,6 +45,12 @@ DRAFT_STEP_OUTPUTS = ["logits", "feedback", "new_key", "new_value"]
 PREFIX = "drafter."
 HANDOFF = ("next_captured", "next_input_ids")   # the next call's drafter.captured and drafter.input_ids
 VERIFY_NODES = "verify_nodes"   # [1] i64: how many of the tree's best nodes the call verifies
+
+# Graph metadata (ONNX metadata_props) the runtime reads: "1" where the graph pads a one-row call to
+# two rows inside itself, and the tree shapes whose speculative output is the graph's own greedy
+# decoding ("chains": top_k 1 only; absent: any)
+PADS_ONE_ROW = "eagle_trt.pads_one_row"
+LOSSLESS_TREES = "eagle_trt.lossless_trees"
 
 # Each KV cache's (past key, past value, new key, new value) names: per target layer, the drafter's one
 DRAFTER_KV_NAMES = ("past_key", "past_value", "new_key", "new_value")

@@ -585,7 +585,7 @@ def plant_path(tokens, parents: list[int], continuation: list[int], depth: int, 
 def check_planted_greedy(target, drafter, prompts: list[list[int]], references: list[list[int]], eos,
                          batch: int = 0) -> None:
     """Greedy speculative decoding with `PlantedDrafter` around `drafter` must reproduce each
-    reference exactly; the drafts must really be accepted (vacuity guard), and every iteration
+    reference (transformers' greedy output, or the graph's own) exactly; the drafts must really be accepted (vacuity guard), and every iteration
     is one drafter call plus one target call. batch > 0: then all prompts again through one
     continuously batched decoder with at most `batch` sequences at a time, and the one-at-a-time
     pass takes only the first SOLO_PROMPTS (the batched pass checks every prompt's tokens; a
@@ -596,7 +596,7 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
     for i, (ids, ref) in enumerate(zip(solo, references)):
         planted = PlantedDrafter(drafter, len(ids), ref, seed=i)
         res = two_call(target, planted, eos).generate(ids, NEW_TOKENS)
-        assert res.tokens == ref, f"prompt {i}: speculative output diverges from transformers' greedy output"
+        assert res.tokens == ref, f"prompt {i}: speculative output diverges from the reference greedy output"
         assert res.target_calls == 1 + res.drafter_calls
         accepted += res.accept_lengths
     if batch:   # the same prompts decoded together, joining and leaving a running batch of `batch`
@@ -608,7 +608,7 @@ def check_planted_greedy(target, drafter, prompts: list[list[int]], references: 
         results = two_call(target, planted, eos).generate_batch(
             [Request(ids, n) for ids, n in zip(prompts, limits)], max_batch=batch)
         for i, (res, ref, n) in enumerate(zip(results, references, limits)):
-            assert res.tokens == ref[:n], f"prompt {i} in a batch of {batch}: output diverges from transformers"
+            assert res.tokens == ref[:n], f"prompt {i} in a batch of {batch}: output diverges from the reference"
         assert max(a for r in results for a in r.accept_lengths) >= 4
     assert sum(accepted) / len(accepted) > 2.0, "drafts were not accepted: the check would be vacuous"
     assert max(accepted) >= 4

@@ -79,7 +79,7 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     into out_dir, skipping graphs whose recorded export key matches; `only` names a subset, and
     may name `drafter_tree_int8` (the tree graph with int8 weights), `target_int4` (the target
     graph with 4-bit weights), `target_fused` / `target_int4_fused` (the target
-    graph / the 4-bit one with ONNX Runtime's fused attention) and `iteration` /
+    graph / the 4-bit one with ONNX Runtime's fused attention, the 4-bit one with int8 activations) and `iteration` /
     `iteration_int8` (target and drafter tree graph composed into one, export/iteration.py;
     with the target graph at `target_graph` where given, else out_dir's), made only when asked for.
     The target graph's key leaves out the drafter and the tree (its token count is dynamic), so
@@ -107,10 +107,13 @@ def export_pipeline(models, shape: TreeShape, out_dir: Path, dtype: str = "float
     for name, source in (("target_fused", "target"), ("target_int4_fused", "target_int4")):
         if only is not None and name in only:
             # asked for only: the (4-bit) target graph with ONNX Runtime's fused attention, for its
-            # CPU provider (cpu_attention.py), rewritten from the graph it names
-            jobs[name] = (dict(jobs[source][0], attention="fused", fused_code=code_digest(FUSED_ATTENTION)),
-                          lambda p, s=source: _rewritten(fuse_attention, out_dir / f"{s}.onnx", p,
-                                                         models.target.config))
+            # CPU provider (cpu_attention.py), rewritten from the graph it names; the 4-bit one
+            # computes with int8 activations (lossless for chain trees)
+            int8 = name == "target_int4_fused"
+            jobs[name] = (dict(jobs[source][0], attention="fused", fused_code=code_digest(FUSED_ATTENTION),
+                               int8_activations=int8),
+                          lambda p, s=source, i=int8: _rewritten(fuse_attention, out_dir / f"{s}.onnx", p,
+                                                                 models.target.config, True, i))
             only = (*only, source)
     if only is not None and "drafter_tree_int8" in only:
         # asked for only: the tree graph with int8 weights, for ONNX Runtime on the CPU (cpu_int8.py)

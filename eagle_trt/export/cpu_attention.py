@@ -25,6 +25,17 @@ CPU models are written:
   the same float sums column by column, so the outputs are bit-identical to separate MatMuls
   (a 4-bit graph's MatMulNBits packed alike).
 
+- With int8_activations (the 4-bit graph): its MatMulNBits compute with int8 activations
+  (accuracy_level 4, as llama.cpp's Q4 dot products do: ~2x the float kernel on several rows)
+  and no call gives the operator one query row. The operator's weighted sum of values takes
+  MLAS' one-row path for one row and its several-row path otherwise, which round differently;
+  int8 activations turn such last bits into other tokens (9 of 10 MT-bench prompts unpadded). A
+  one-row call is padded with a copy of its row (its KV row written one past, never committed,
+  its output dropped), so every row a chain verification computes is bit-identical to the same
+  token decoded alone. A tree node off the first chain sits at other columns than alone (its
+  siblings masked in between), which regroups its softmax sum: such a graph is lossless for
+  chain trees (top_k 1), and says so in its metadata (graph_names.LOSSLESS_TREES, PADS_ONE_ROW).
+
 The runtime feeds it exactly what it feeds the portable graph; only where the new rows go
 differs (runtime/onnxruntime_backend.py). The operator's CPU kernel takes several new rows
 after a past only at batch 1, so verification and prefill on this graph run one sequence a call
@@ -41,12 +52,13 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..config import TargetConfig
-from ..graph_names import target_kv_names
+from ..graph_names import LOSSLESS_TREES, PADS_ONE_ROW, target_kv_names
 from ..models.target import RotaryEmbedding
 from .graph_files import DataFile, new_tensor, read_array, rewrite_graph
 from .shape_folding import remove_unused
 
 GQA = "GroupQueryAttention"
+INT8_ACTIVATIONS = 4      # MatMulNBits accuracy_level: int8 activations
 
 
 class FusedAttentionError(ValueError):
@@ -122,6 +134,56 @@ def _mask_nodes() -> tuple[list, list]:
         n("Unsqueeze", [k + "bias3", k + "axis1"], ["fused_attention/attention_bias"]),       # [B, 1, T, S]
     ]
     return nodes, consts
+
+
+def _one_row_padding() -> tuple[list, list]:
+    """Nodes, shared by every layer, that give a one-row call a second (dummy) query row: n =
+    max(0, 2 - T) copies of the last row's position and bias, seqlens_k n further (its KV row is
+    written one past the new ones). Each layer pads its packed QKV the same way (_pad_layer)."""
+    k = "fused_attention/pad/"
+    consts = [numpy_helper.from_array(np.array([2], np.int64), k + "two"),
+              numpy_helper.from_array(np.array([0], np.int64), k + "zero"),
+              numpy_helper.from_array(np.array([1], np.int64), k + "axis1"),
+              numpy_helper.from_array(np.array([2], np.int64), k + "axis2")]
+    n = helper.make_node
+    t = "fused_attention/T1"
+    nodes = [
+        n("Sub", [k + "two", t], [k + "short"]),
+        n("Max", [k + "short", k + "zero"], [k + "rows"]),                          # [n]: 1 for a one-row call, else 0
+        n("Sub", [t, k + "rows"], ["fused_attention/pad/from"]),
+        n("Slice", ["position_ids", k + "from", t, k + "axis1"], [k + "positions_copy"]),
+        n("Concat", ["position_ids", k + "positions_copy"], ["fused_attention/pad/position_ids"], axis=1),
+        n("Slice", ["fused_attention/attention_bias", k + "from", t, k + "axis2"], [k + "bias_copy"]),
+        n("Concat", ["fused_attention/attention_bias", k + "bias_copy"], ["fused_attention/pad/attention_bias"], axis=2),
+        n("Cast", [k + "rows"], [k + "rows32"], to=TensorProto.INT32),
+        n("Add", ["fused_attention/seqlens_k", k + "rows32"], ["fused_attention/pad/seqlens_k"]),
+    ]
+    return nodes, consts
+
+
+def _pad_layer(qkv: str, op_out: str, out: str, scope: str) -> tuple[list, str, list]:
+    """(nodes before the operator, its padded QKV input, nodes after it): QKV [B, T, W] with the
+    padding rows (copies of its last row); the operator's padded output `op_out` cut back to T
+    rows as `out`."""
+    k, n = "fused_attention/pad/", helper.make_node
+    padded = f"{scope}pad/qkv"
+    before = [n("Slice", [qkv, k + "from", "fused_attention/T1", k + "axis1"], [f"{scope}pad/qkv_copy"],
+                name=f"{scope}pad/Slice"),
+              n("Concat", [qkv, f"{scope}pad/qkv_copy"], [padded], name=f"{scope}pad/Concat", axis=1)]
+    after = [n("Slice", [op_out, k + "zero", "fused_attention/T1", k + "axis1"], [out], name=f"{scope}pad/Slice_output")]
+    return before, padded, after
+
+
+def use_int8_activations(model: onnx.ModelProto) -> int:
+    """Every MatMulNBits of `model` computing with int8 activations (accuracy_level 4); returns how many."""
+    count = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for a in [a for a in node.attribute if a.name == "accuracy_level"]:
+                node.attribute.remove(a)
+            node.attribute.append(helper.make_attribute("accuracy_level", INT8_ACTIVATIONS))
+            count += 1
+    return count
 
 
 def _last_output(nodes, prefix: str, where: str) -> str:
@@ -215,10 +277,12 @@ class _Packer:
 
 
 def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph", source_dir: Path | None = None,
-         data: DataFile | None = None, pack: bool = True) -> dict:
+         data: DataFile | None = None, pack: bool = True, int8_activations: bool = False) -> dict:
     """Rewrite `model` (the portable target graph, its weights not loaded) in place. source_dir:
     where its weights lie (the packed projections read them), data: the new graph's weights file
-    (rewrite_graph's). pack=False keeps every projection its own MatMul."""
+    (rewrite_graph's). pack=False keeps every projection its own MatMul. int8_activations: a
+    4-bit graph's MatMulNBits compute with int8 activations, and one-row calls are padded (the
+    module docstring)."""
     check_fusable(cfg, where)
     g = model.graph
     inputs = {i.name: i for i in g.input}
@@ -227,7 +291,16 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
     if inputs["past_key_0"].type.tensor_type.elem_type != TensorProto.FLOAT:
         raise FusedAttentionError(f"{where}: the fused-attention graph is made from a float32 target graph")
     nodes = list(g.node)
+    if int8_activations and not any(n.op_type == "MatMulNBits" for n in nodes):
+        raise FusedAttentionError(f"{where}: int8 activations are for a 4-bit (MatMulNBits) target graph")
     mask_nodes, consts = _mask_nodes()
+    if int8_activations:
+        pad_nodes, pad_consts = _one_row_padding()
+        mask_nodes, consts = mask_nodes + pad_nodes, consts + pad_consts
+    # the operator's seqlens_k, position_ids and attention_bias: padded ones where one-row calls are
+    seqlens, positions, bias = (("fused_attention/pad/seqlens_k", "fused_attention/pad/position_ids",
+                                 "fused_attention/pad/attention_bias") if int8_activations else
+                                ("fused_attention/seqlens_k", "position_ids", "fused_attention/attention_bias"))
     cos, sin = rope_tables(cfg)
     consts += [numpy_helper.from_array(cos, "fused_attention/cos_cache"),
                numpy_helper.from_array(sin, "fused_attention/sin_cache")]
@@ -254,14 +327,21 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
                   and n.op_type in ("MatMul", "Gemm", "MatMulNBits")]     # MatMulNBits: the 4-bit target
         if not o_proj:
             raise FusedAttentionError(f"{where}: layer {layer} has no o_proj MatMul")
-        out = f"{scope}{GQA}_output_0"
+        out = op_out = f"{scope}{GQA}_output_0"
+        after = []
+        if int8_activations:
+            if qkv is None:
+                raise FusedAttentionError(f"{where}: layer {layer}'s q / k / v projections do not pack; padded "
+                                          f"one-row calls need packed QKV")
+            op_out = f"{out}_padded"
+            pad_before, q, after = _pad_layer(q, op_out, out, scope)
+            before = before + pad_before
         fused[id(o_proj[0])] = before + [helper.make_node(
-            GQA, [q, k, v, past_k, past_v, "fused_attention/seqlens_k",
-                  "fused_attention/total_sequence_length", "fused_attention/cos_cache", "fused_attention/sin_cache",
-                  "position_ids", "fused_attention/attention_bias"],
-            [out, present_k, present_v], name=f"{scope}{GQA}", domain="com.microsoft",
+            GQA, [q, k, v, past_k, past_v, seqlens, "fused_attention/total_sequence_length",
+                  "fused_attention/cos_cache", "fused_attention/sin_cache", positions, bias],
+            [op_out, present_k, present_v], name=f"{scope}{GQA}", domain="com.microsoft",
             num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads,
-            do_rotary=int(layer not in cfg.arch.nope_layers))]
+            do_rotary=int(layer not in cfg.arch.nope_layers))] + after
         o_proj[0].input[0] = out
     kv_shape = ["batch", cfg.num_key_value_heads, "cache_rows", cfg.head_dim]
     outputs = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
@@ -284,27 +364,44 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
     remove_unused(g, {t.name for t in g.initializer})
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return {"fused_layers": len(kv_names), "packed_layers": packed_layers, "nodes": len(g.node)}
+    counts = {"fused_layers": len(kv_names), "packed_layers": packed_layers, "nodes": len(g.node)}
+    if int8_activations:
+        counts["int8_activation_matmuls"] = use_int8_activations(model)
+        set_metadata(model, {PADS_ONE_ROW: "1", LOSSLESS_TREES: "chains"})
+    return counts
 
 
-def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig, pack: bool = True) -> dict:
+def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
+    kept = [e for e in model.metadata_props if e.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in values.items():
+        model.metadata_props.add(key=key, value=value)
+
+
+def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig, pack: bool = True,
+                   int8_activations: bool = False) -> dict:
     """Write the fused-attention copy of the portable target graph `src` to `dst` (atomically:
     a failed run leaves no `dst`). Returns counts for the log."""
-    return rewrite_graph(src, dst, lambda model, data: fuse(model, cfg, str(src), Path(src).parent, data, pack))
+    return rewrite_graph(src, dst, lambda model, data: fuse(model, cfg, str(src), Path(src).parent, data, pack,
+                                                            int8_activations))
 
 
 def fused_feeds(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A portable target graph's feed (past [B, Hkv, P, D], mask [B, T, P + T]) made the fused
-    graph's: each past with T more rows for the operator to write the new ones into (zeros,
-    masked), the mask's committed part widened to match. The logits, captured states and
-    acceptance are then the portable graph's (parity compares them)."""
+    graph's: each past with T more rows (at least 2: a graph that pads a one-row call writes a
+    second) for the operator to write the new ones into (zeros, masked), the mask's committed
+    part widened to match. The logits, captured states and acceptance are then the portable
+    graph's (parity compares them)."""
     T = feed["input_ids"].shape[1]
+    rows = max(T, 2)
     out = dict(feed)
     for name, past in feed.items():
         if name.startswith("past_"):
             B, H, _, D = past.shape
-            out[name] = np.concatenate([past, np.zeros((B, H, T, D), past.dtype)], axis=2)
+            out[name] = np.concatenate([past, np.zeros((B, H, rows, D), past.dtype)], axis=2)
     mask = feed["attention_mask"]
     P = mask.shape[2] - T
-    out["attention_mask"] = np.concatenate([mask[:, :, :P], np.zeros_like(mask[:, :, :T]), mask[:, :, P:]], axis=2)
+    out["attention_mask"] = np.concatenate([mask[:, :, :P], np.zeros((*mask.shape[:2], rows), mask.dtype),
+                                            mask[:, :, P:]], axis=2)
     return out

@@ -10,8 +10,8 @@ blocks of 32 along the input axis, a float scale and a 4-bit zero point per bloc
 lm_head (the exporter reads the embedding table through a Transpose) gets its own transposed
 copy first so that it is quantized too; the embedding's Gather keeps the float table.
 
-Speculative decoding on this graph is lossless against this graph's own greedy decoding (the
-acceptance rule is in the graph); it is not the fp32 model's output, and parity reports how far
+Speculative decoding on this graph is lossless against this graph's own greedy decoding for any
+tree (the acceptance rule is in the graph); it is not the fp32 model's output, and parity reports how far
 its logits lie from the float model's. ONNX Runtime only: TensorRT builds take FP8 / NVFP4.
 The quantizer holds the whole graph, which suits the small targets a CPU serves."""
 from __future__ import annotations
@@ -27,10 +27,11 @@ from .cpu_int8 import fold_weight_aliases
 from .graph_files import load_weights, rewrite_graph
 
 BLOCK = 32            # weights per block along the input axis, as Q4_1's
-# MatMulNBits' compute type: 0 (unset: float32, as the activations). Level 4 (int8 activations)
-# is faster, but its kernels for one row and for several differ: SmolLM2's logits for 5 tokens in
-# one call lay 0.94 from the same tokens' 5 one-row calls (float32: 8e-5), so verification would
-# disagree with plain decoding on the same graph, and speculative output would not be its own.
+# MatMulNBits' compute type: 0 (unset: float32, as the activations), lossless for any tree. Level 4
+# (int8 activations, ~2x faster on several rows) is what the fused-attention 4-bit graph uses
+# (export/cpu_attention.py, int8_activations): in this portable graph, attention's one-row
+# products round differently from several-row ones, and int8 activations make that other tokens
+# (SmolLM2's logits for 5 tokens in one call lay 0.94 from their 5 one-row calls).
 ACCURACY_LEVEL = 0
 
 

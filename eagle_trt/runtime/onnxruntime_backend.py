@@ -23,8 +23,8 @@ import onnxruntime as ort
 import torch
 
 from ..config import TreeShape
-from ..graph_names import (ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, DRAFTER_KV_NAMES, HANDOFF, PREFIX, VERIFY_NODES,
-                           kv_heads_and_dim, target_kv_names)
+from ..graph_names import (ACCEPT_OUTPUTS, DRAFT_TREE_OUTPUTS, DRAFTER_KV_NAMES, HANDOFF, LOSSLESS_TREES,
+                           PADS_ONE_ROW, PREFIX, VERIFY_NODES, kv_heads_and_dim, target_kv_names)
 from .backend import DrafterBackend, KeptRows, TargetBackend, Verification, logits_rows
 from .kv_cache import CHUNK
 from .ort_binding import Bindings, Bound
@@ -104,11 +104,18 @@ class OrtTarget(_Timed, TargetBackend):
     kernels round a 1-row MatMul differently from a multi-row one, while every row of a
     >= 2-row call is bit-identical whatever the row count; with min_rows=2 a greedy
     token-by-token run takes exactly the arithmetic path of tree verification. fp32 does not
-    need it, but FP8 activations turn such last-bit differences into different tokens."""
+    need it, but FP8 activations turn such last-bit differences into different tokens.
+    The fused 4-bit graph with int8 activations pads its one-row calls inside itself
+    (`pads_one_row`: a cache keeps room for the second row it writes) and is lossless for chain
+    trees only (`lossless_trees`); both read from its metadata (graph_names)."""
 
     def __init__(self, path: str | Path, max_context: int, threads: int | None = None, min_rows: int = 1,
                  kv_device: str | torch.device | None = None, **session_kwargs):
+        self.path = Path(path)
         self.session = make_session(path, threads, **session_kwargs)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.pads_one_row = meta.get(PADS_ONE_ROW) == "1"
+        self.lossless_trees = meta.get(LOSSLESS_TREES, "any")
         self.kv_device = kv_device_for(self.session, kv_device)
         self.min_rows = min_rows
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -163,13 +170,21 @@ class OrtTarget(_Timed, TargetBackend):
         bound.buffers["tree_mask"] = mask[:, :, width:]   # a view verify returns (not bound)
         bound.mask_lengths = None                          # a new buffer: verify writes all of it
 
+    def _stage(self, slots: range | None, T: int) -> tuple[range, list[int], int]:
+        if self.pads_one_row and T < 2:     # the graph writes a second KV row after the new one
+            self.cache.reserve(slots if slots is not None else range(self.cache.batch), 2)
+        return super()._stage(slots, T)
+
     def _check_batch(self, slots: range, T: int) -> None:
         """ONNX Runtime's GroupQueryAttention CPU kernel takes several new rows after a past only
-        at batch 1: the fused-attention graph verifies and prefills one sequence a call."""
-        if self.in_place and T > 1 and len(slots) > 1:
-            raise ValueError(f"the fused-attention target graph takes {T} new rows for one sequence a call, not "
-                             f"{len(slots)} (ONNX Runtime's GroupQueryAttention CPU kernel): decode batches on the "
-                             f"portable target graph")
+        at batch 1: the fused-attention graph verifies and prefills one sequence a call (and the
+        one that pads one-row calls to two rows takes every call so)."""
+        rows = max(T, 2) if self.pads_one_row else T
+        if self.in_place and rows > 1 and len(slots) > 1:
+            padded = f" (one padded to 2)" if rows > T else ""
+            raise ValueError(f"the fused-attention target graph {self.path.name} takes {T} new row(s){padded} for one "
+                             f"sequence a call, not {len(slots)} (ONNX Runtime's GroupQueryAttention CPU kernel): "
+                             f"decode batches on the portable target graph")
 
     def _run(self, input_ids, positions, mask, logits_index, slots, width):
         self._check_batch(slots, int(input_ids.shape[1]))

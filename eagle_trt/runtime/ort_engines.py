@@ -57,6 +57,11 @@ def open_backends(graphs: dict[str, str | Path], shape: TreeShape | None, max_co
                            **_session(precision.get("target")))
     if "drafter_tree" not in graphs:
         return OrtBackends(target)
+    if target is not None and target.lossless_trees == "chains" and shape.top_k > 1:
+        raise ConfigError(f"{target.path}: speculative decoding on this target graph equals its own greedy decoding "
+                          f"for chain trees only (top_k 1, e.g. tree 3,1,3), not the tree {shape.depth},{shape.top_k},"
+                          f"{shape.total_tokens}: its int8-activation kernels would round a tree node off the first "
+                          f"chain differently (export/cpu_attention.py)")
     drafter = OrtDrafter(graphs["drafter_tree"], shape, threads, **common, **_session(precision.get("drafter_tree")))
     iteration = None
     if graphs.get("iteration") is not None:
