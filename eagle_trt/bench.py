@@ -299,11 +299,15 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     held = (held_out[:args.concurrency_prompts], held_out[args.concurrency_prompts:])
-    if on_rows:
-        report = _rows(args, models, measured, shapes, [p for w in names for p in prompts[w]], sweep[0], held, levels,
-                       sampling, dtype, capacity)
-    else:
-        report = _compare(args, f32, folder, prompts, sweep, held, levels, sampling, shapes, device, dtype, built)
+    try:        # (a setting only the graphs can refuse: a branching tree on a target lossless for chains)
+        if on_rows:
+            report = _rows(args, models, measured, shapes, [p for w in names for p in prompts[w]], sweep[0], held,
+                           levels, sampling, dtype, capacity)
+        else:
+            report = _compare(args, f32, folder, prompts, sweep, held, levels, sampling, shapes, device, dtype, built)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "bench.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))

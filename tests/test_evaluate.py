@@ -239,7 +239,8 @@ def test_compare_alternates_the_modes_and_keeps_each_ones_fastest_run():
 def test_bench_measures_a_builds_served_graphs_and_the_int4_target(built, smollm2_onnx_dir, tmp_path, capsys):
     """--build DIR (what make demo runs): the graphs the build's Triton repository serves, its tree
     and drafter weights, with its target; --target-weights int4: plain and speculative decoding
-    on the 4-bit target graph, speculative equal to plain. A folder that is no build is refused."""
+    on the 4-bit target graph, speculative equal to plain. A folder that is no build is refused, and
+    a branching tree on the fused 4-bit graph (lossless for chains only)."""
     from eagle_trt import bench
     _, manifest = built
     out = Path(manifest.output)
@@ -258,3 +259,8 @@ def test_bench_measures_a_builds_served_graphs_and_the_int4_target(built, smollm
     report = json.loads((tmp_path / "i" / "bench.json").read_text())
     assert report["target_weights"] == "int4" and (tmp_path / "onnx" / "target_int4.onnx").is_file()
     assert report["results"][0]["speculative_equals_autoregressive"] == 2
+    # the fused 4-bit target (int8 activations) is lossless for chains: a branching tree is refused
+    assert bench.main(["--target-weights", "int4", "--attention", "fused", "--tree", "3,2,4", "--workloads", "mtbench",
+                       "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--repeats", "1",
+                       "--onnx-dir", str(tmp_path / "onnx"), "--out", str(tmp_path / "f")]) == 2
+    assert "chain trees only (top_k 1, e.g. tree 3,1,3)" in capsys.readouterr().err
