@@ -181,7 +181,7 @@ class OrtTarget(_Timed, TargetBackend):
         one that pads one-row calls to two rows takes every call so)."""
         rows = max(T, 2) if self.pads_one_row else T
         if self.in_place and rows > 1 and len(slots) > 1:
-            padded = f" (one padded to 2)" if rows > T else ""
+            padded = " (one padded to 2)" if rows > T else ""
             raise ValueError(f"the fused-attention target graph {self.path.name} takes {T} new row(s){padded} for one "
                              f"sequence a call, not {len(slots)} (ONNX Runtime's GroupQueryAttention CPU kernel): "
                              f"decode batches on the portable target graph")
