@@ -136,41 +136,34 @@ def _mask_nodes() -> tuple[list, list]:
     return nodes, consts
 
 
-def _one_row_padding() -> tuple[list, list]:
+def _one_row_padding() -> list:
     """Nodes, shared by every layer, that give a one-row call a second (dummy) query row: n =
     max(0, 2 - T) copies of the last row's position and bias, seqlens_k n further (its KV row is
-    written one past the new ones). Each layer pads its packed QKV the same way (_pad_layer)."""
-    k = "fused_attention/pad/"
-    consts = [numpy_helper.from_array(np.array([2], np.int64), k + "two"),
-              numpy_helper.from_array(np.array([0], np.int64), k + "zero"),
-              numpy_helper.from_array(np.array([1], np.int64), k + "axis1"),
-              numpy_helper.from_array(np.array([2], np.int64), k + "axis2")]
-    n = helper.make_node
-    t = "fused_attention/T1"
-    nodes = [
-        n("Sub", [k + "two", t], [k + "short"]),
-        n("Max", [k + "short", k + "zero"], [k + "rows"]),                          # [n]: 1 for a one-row call, else 0
-        n("Sub", [t, k + "rows"], ["fused_attention/pad/from"]),
-        n("Slice", ["position_ids", k + "from", t, k + "axis1"], [k + "positions_copy"]),
-        n("Concat", ["position_ids", k + "positions_copy"], ["fused_attention/pad/position_ids"], axis=1),
-        n("Slice", ["fused_attention/attention_bias", k + "from", t, k + "axis2"], [k + "bias_copy"]),
-        n("Concat", ["fused_attention/attention_bias", k + "bias_copy"], ["fused_attention/pad/attention_bias"], axis=2),
-        n("Cast", [k + "rows"], [k + "rows32"], to=TensorProto.INT32),
-        n("Add", ["fused_attention/seqlens_k", k + "rows32"], ["fused_attention/pad/seqlens_k"]),
+    written one past the new ones). Each layer pads its packed QKV the same way (_pad_layer).
+    They read _mask_nodes' outputs and constants."""
+    k, p, n = "fused_attention/", "fused_attention/pad/", helper.make_node
+    return [
+        n("Sub", [k + "two", k + "T1"], [p + "short"]),
+        n("Max", [p + "short", k + "zero"], [p + "rows"]),                           # [n]: 1 for a one-row call, else 0
+        n("Sub", [k + "T1", p + "rows"], [p + "from"]),
+        n("Slice", ["position_ids", p + "from", k + "T1", k + "axis1"], [p + "positions_copy"]),
+        n("Concat", ["position_ids", p + "positions_copy"], [p + "position_ids"], axis=1),
+        n("Slice", [k + "attention_bias", p + "from", k + "T1", k + "axes2"], [p + "bias_copy"]),
+        n("Concat", [k + "attention_bias", p + "bias_copy"], [p + "attention_bias"], axis=2),
+        n("Cast", [p + "rows"], [p + "rows32"], to=TensorProto.INT32),
+        n("Add", [k + "seqlens_k", p + "rows32"], [p + "seqlens_k"]),
     ]
-    return nodes, consts
 
 
 def _pad_layer(qkv: str, op_out: str, out: str, scope: str) -> tuple[list, str, list]:
     """(nodes before the operator, its padded QKV input, nodes after it): QKV [B, T, W] with the
     padding rows (copies of its last row); the operator's padded output `op_out` cut back to T
     rows as `out`."""
-    k, n = "fused_attention/pad/", helper.make_node
+    k, n = "fused_attention/", helper.make_node
     padded = f"{scope}pad/qkv"
-    before = [n("Slice", [qkv, k + "from", "fused_attention/T1", k + "axis1"], [f"{scope}pad/qkv_copy"],
-                name=f"{scope}pad/Slice"),
+    before = [n("Slice", [qkv, k + "pad/from", k + "T1", k + "axis1"], [f"{scope}pad/qkv_copy"], name=f"{scope}pad/Slice"),
               n("Concat", [qkv, f"{scope}pad/qkv_copy"], [padded], name=f"{scope}pad/Concat", axis=1)]
-    after = [n("Slice", [op_out, k + "zero", "fused_attention/T1", k + "axis1"], [out], name=f"{scope}pad/Slice_output")]
+    after = [n("Slice", [op_out, k + "zero", k + "T1", k + "axis1"], [out], name=f"{scope}pad/Slice_output")]
     return before, padded, after
 
 
@@ -295,8 +288,7 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
         raise FusedAttentionError(f"{where}: int8 activations are for a 4-bit (MatMulNBits) target graph")
     mask_nodes, consts = _mask_nodes()
     if int8_activations:
-        pad_nodes, pad_consts = _one_row_padding()
-        mask_nodes, consts = mask_nodes + pad_nodes, consts + pad_consts
+        mask_nodes += _one_row_padding()
     # the operator's seqlens_k, position_ids and attention_bias: padded ones where one-row calls are
     seqlens, positions, bias = (("fused_attention/pad/seqlens_k", "fused_attention/pad/position_ids",
                                  "fused_attention/pad/attention_bias") if int8_activations else
