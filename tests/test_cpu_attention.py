@@ -7,6 +7,7 @@ the in-place commit moves accepted rows down over rejected ones; what it does no
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -45,9 +46,89 @@ def test_each_layer_attention_is_one_operator(tiny_graphs, fused):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("GroupQueryAttention") == target.config.num_hidden_layers
     assert "Softmax" not in ops                      # the portable attention is gone
-    assert len(ops) < 0.6 * len(onnx.load(str(graphs["target"])).graph.node)
+    wrapping = 4 * ops.count("Conv")                 # a pointwise Conv's reshaping nodes (Unsqueeze, Transposes, Squeeze)
+    assert len(ops) - wrapping < 0.6 * len(onnx.load(str(graphs["target"])).graph.node)
     outputs = {o.name for o in model.graph.output}
     assert "present_key_0" in outputs and "new_key_0" not in outputs
+
+
+def _x86_with_avx2() -> bool:
+    """MLAS has NCHWc kernels on x86 from AVX2 on (8-channel blocks; AVX-512: 16)."""
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+def test_float_projections_are_pointwise_convs_onnx_runtime_blocks(tiny_graphs, fused, tmp_path):
+    """Every weight MatMul of the float graph (packed q / k / v, o, packed gate / up, down, the
+    tied head) is a 1x1 Conv whose weights are the MatMul's transposed: none is left a MatMul, and
+    where MLAS has NCHWc kernels ONNX Runtime's optimizer runs each as its blocked Conv with the
+    Transposes folded into its reorders (what makes them faster); convs=False keeps MatMuls."""
+    import onnxruntime as ort
+    target, _, graphs, _ = tiny_graphs
+    cfg = target.config
+    model = onnx.load(str(fused[0]))
+    ops = [n.op_type for n in model.graph.node]
+    assert "MatMul" not in ops
+    assert ops.count("Conv") == 4 * cfg.num_hidden_layers + 1
+    weights = {t.name: t for t in model.graph.initializer}
+    qkv = next(n for n in model.graph.node if n.name == "/model/layers.0/self_attn/qkv_proj/Conv")
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    portable = {t.name: t for t in onnx.load(str(graphs["target"])).graph.initializer}
+    q_t = next(t for name, t in portable.items() if name.startswith("model.layers.0.self_attn.q_proj"))
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(weights[qkv.input[1]])[:q_width, :, 0, 0],
+                                  onnx.numpy_helper.to_array(q_t).T)
+    if _x86_with_avx2():
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(str(fused[0]), so, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+        blocked = [n for n in optimized.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"]
+        assert len(blocked) == ops.count("Conv")
+        assert not any(n.op_type == "Transpose" and n.input[0] in {o for b in blocked for o in b.output}
+                       for n in optimized.graph.node), "a Transpose after a blocked Conv was not folded"
+    matmul_graph = tmp_path / "matmuls.onnx"
+    assert fuse_attention(graphs["target"], matmul_graph, cfg, convs=False)["conv_projections"] == 0
+    assert "Conv" not in {n.op_type for n in onnx.load(str(matmul_graph)).graph.node}
+
+
+def test_a_tied_head_becomes_a_conv_over_the_embedding_itself(tmp_path):
+    """The tied head's MatMul reads the embedding through a Transpose: its Conv reads the
+    embedding [V, H] as [V, H, 1, 1] (a Reshape ONNX Runtime folds), no second copy of it in the
+    graph; a MatMul of other widths than whole channel blocks stays; the logits equal the MatMul's
+    within fp32 rounding, one row and five."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from eagle_trt.export.cpu_attention import _Packer
+    from eagle_trt.runtime.sessions import make_session
+    gen = np.random.default_rng(0)
+    embed, odd = gen.standard_normal((64, 32), dtype=np.float32), gen.standard_normal((32, 20), dtype=np.float32)
+    nodes = [helper.make_node("Transpose", ["embed"], ["embed_t"], name="tie"),
+             helper.make_node("MatMul", ["x", "embed_t"], ["logits"], name="/model/lm_head/MatMul"),
+             helper.make_node("MatMul", ["x", "odd"], ["odd_out"], name="/odd/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 32])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("logits", "odd_out")],
+                              [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(odd, "odd"),
+                               numpy_helper.from_array(np.array([2], np.int64), "fused_attention/axes2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    packer = _Packer(model.graph, None, None, convs=True)
+    converted = packer.as_convs(list(model.graph.node))
+    assert packer.converted == 1 and [n.op_type for n in converted].count("MatMul") == 1
+    reshape = next(n for n in converted if n.op_type == "Reshape")
+    assert reshape.input[0] == "embed"
+    conv_model = onnx.ModelProto()
+    conv_model.CopyFrom(model)
+    del conv_model.graph.node[:]
+    conv_model.graph.node.extend(converted)
+    conv_model.graph.initializer.extend(packer.new)
+    for name, m in (("matmul", model), ("conv", conv_model)):
+        onnx.save(m, str(tmp_path / f"{name}.onnx"))
+    a, b = make_session(tmp_path / "matmul.onnx", 1), make_session(tmp_path / "conv.onnx", 1)
+    for rows in (1, 5):
+        x = gen.standard_normal((1, rows, 32), dtype=np.float32)
+        for want, got in zip(a.run(None, {"x": x}), b.run(None, {"x": x})):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_tables_are_the_models_cos_and_sin(tiny_target):
@@ -167,8 +248,8 @@ def test_packed_projections_are_bit_identical_to_separate_ones(tiny_graphs, fuse
     operators = [n for n in packed_model.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(operators) == layers and all(n.input[1] == n.input[2] == "" for n in operators)
 
-    def matmuls(m):
-        return sum(n.op_type == "MatMul" for n in m.graph.node)
+    def matmuls(m):       # the projections: MatMuls, or pointwise Convs (the default in a float graph)
+        return sum(n.op_type in ("MatMul", "Conv") for n in m.graph.node)
     assert matmuls(separate_model) - matmuls(packed_model) == 3 * layers
     case = target_case(target.model, graphs["target"], "float32", prompts[1:3], TINY_SHAPE, drafter)
     a, b = make_session(separate, 1), make_session(fused[0], 1)
