@@ -83,7 +83,7 @@ def test_float_projections_are_pointwise_convs_onnx_runtime_blocks(tiny_graphs, 
         so = ort.SessionOptions()
         so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
         ort.InferenceSession(str(fused[0]), so, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+        optimized = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False)
         blocked = [n for n in optimized.graph.node if n.domain == "com.microsoft.nchwc" and n.op_type == "Conv"]
         assert len(blocked) == ops.count("Conv")
         assert not any(n.op_type == "Transpose" and n.input[0] in {o for b in blocked for o in b.output}

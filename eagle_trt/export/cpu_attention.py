@@ -449,9 +449,12 @@ def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
 def fuse_attention(src: str | Path, dst: str | Path, cfg: TargetConfig, pack: bool = True,
                    int8_activations: bool = False, convs: bool | None = None) -> dict:
     """Write the fused-attention copy of the portable target graph `src` to `dst` (atomically:
-    a failed run leaves no `dst`). Returns counts for the log."""
+    a failed run leaves no `dst`), its weights in a file beside it whatever their size: ONNX
+    Runtime keeps a graph's embedded weights in memory beside the NCHWc Convs' reordered ones
+    (SmolLM2: 1.29 GB resident after loading, against 0.76 GB with the weights outside). Returns
+    counts for the log."""
     return rewrite_graph(src, dst, lambda model, data: fuse(model, cfg, str(src), Path(src).parent, data, pack,
-                                                            int8_activations, convs))
+                                                            int8_activations, convs), external=True)
 
 
 def fused_feeds(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

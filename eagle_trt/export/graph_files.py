@@ -128,19 +128,20 @@ Result = TypeVar("Result")
 
 
 def rewrite_graph(src: str | Path, dst: str | Path, rewrite: Callable[[onnx.ModelProto, DataFile | None], Result],
-                  check: Callable[[Path], None] | None = None) -> Result:
+                  check: Callable[[Path], None] | None = None, external: bool = False) -> Result:
     """Read the graph at `src` without its external weights, let `rewrite(model, data)` change it
     in place (`data`: the new graph's weights file, open where `src` keeps weights outside the
-    graph, for its new tensors: new_tensor), write it in a temporary folder beside `dst` with the
-    weights it kept copied from `src`'s files a tensor at a time, `check` the written file, then
-    install it as `dst` (a failed run leaves no `dst`). Returns what `rewrite` returned."""
+    graph or `external` asks for one, for its new tensors: new_tensor), write it in a temporary
+    folder beside `dst` with the weights it kept copied from `src`'s files a tensor at a time,
+    `check` the written file, then install it as `dst` (a failed run leaves no `dst`). Returns what
+    `rewrite` returned."""
     src, dst = Path(src), Path(dst)
     model = onnx.load(str(src), load_external_data=False)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.stem}.", dir=dst.parent))
     try:
         out = tmp / dst.name
-        external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+        external = external or any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
         with DataFile(out.with_name(data_file_name(out))) if external else nullcontext() as data:
             result = rewrite(model, data)
             written = save_graph(model, out, source_dir=src.parent, data=data)
