@@ -110,7 +110,8 @@ def _mask_nodes() -> tuple[list, list]:
     def c(name, values, dtype=np.int64):
         return numpy_helper.from_array(np.array(values, dtype=dtype), f"fused_attention/{name}")
     consts = [c("zero", [0]), c("two", [2]), c("big", [1 << 40]), c("axis1", [1]), c("axes2", [2]), c("one", 1),
-              c("zero_s", 0), c("neg_inf", -np.inf, np.float32), c("zero_f", 0.0, np.float32), c("minus1", [-1])]
+              c("zero_s", 0), c("neg_inf", -np.inf, np.float32), c("zero_f", 0.0, np.float32), c("minus1", [-1]),
+              c("nhwc_shape", [0, 0, 1, -1]), c("rows_shape", [0, 0, -1])]     # _pointwise_conv's
     k = "fused_attention/"
     n = helper.make_node
     nodes = [
@@ -183,11 +184,11 @@ def _pointwise_conv(x: str, weight: str, out: str, name: str) -> list:
     """x [B, T, K] times `weight` [N, K, 1, 1] as `out` [B, T, N]: x as an NHWC image T high and 1
     wide, one 1x1 Conv; ONNX Runtime's NCHWc optimizer folds both Transposes into its reorders."""
     k, n = "fused_attention/", helper.make_node
-    return [n("Unsqueeze", [x, k + "axes2"], [f"{name}/nhwc"], name=f"{name}/Unsqueeze"),
+    return [n("Reshape", [x, k + "nhwc_shape"], [f"{name}/nhwc"], name=f"{name}/Reshape"),
             n("Transpose", [f"{name}/nhwc"], [f"{name}/nchw"], name=f"{name}/Transpose", perm=[0, 3, 1, 2]),
             n("Conv", [f"{name}/nchw", weight], [f"{name}/conv"], name=f"{name}/Conv"),
             n("Transpose", [f"{name}/conv"], [f"{name}/conv_nhwc"], name=f"{name}/Transpose_1", perm=[0, 2, 3, 1]),
-            n("Squeeze", [f"{name}/conv_nhwc", k + "axes2"], [out], name=f"{name}/Squeeze")]
+            n("Reshape", [f"{name}/conv_nhwc", k + "rows_shape"], [out], name=f"{name}/Reshape_1")]
 
 
 def _conv_shape(k: int, n: int) -> bool:
@@ -303,7 +304,7 @@ class _Packer:
             # the tied head reads the embedding [N, K] itself, as [N, K, 1, 1] (ONNX Runtime folds the Reshape)
             shape = f"{name}/conv_weight_shape"
             self.new.append(numpy_helper.from_array(np.array([*tensor.dims, 1, 1], np.int64), shape))
-            out.append(helper.make_node("Reshape", [tensor.name, shape], [f"{name}.conv_weight"], name=f"{name}/Reshape"))
+            out.append(helper.make_node("Reshape", [tensor.name, shape], [f"{name}.conv_weight"], name=f"{name}/weight_Reshape"))
             out += _pointwise_conv(node.input[0], f"{name}.conv_weight", node.output[0], name)
             self.converted += 1
         return out
