@@ -64,11 +64,65 @@ def test_speculative_decoding_on_the_served_int4_graphs_equals_their_greedy_deco
     assert opened.iteration.graph_calls > 0 and len(accepted) > 10
 
 
-@pytest.mark.parametrize("precision, serving, message", [
-    ({"drafter": {"format": "int4"}}, {}, "precision.drafter.format: int4 is a target format"),
-    ({"target": {"format": "int4"}}, {"runtime": "torch"}, "int4 runs on ONNX Runtime only"),
+@pytest.fixture(scope="module")
+def int4_fused_build(tmp_path_factory):
+    """One stream and a chain tree: the build serves the fused 4-bit graph (int8 activations)."""
+    folder = tmp_path_factory.mktemp("build_int4_fused")
+    data = tiny_config(write_tiny_target(folder / "target"), precision={"target": {"format": "int4"}},
+                       tree={"depth": 3, "top_k": 1, "total_tokens": 3}, serving={"max_concurrent": 1})
+    out = folder / "out"
+    build(config_from_dict(data, "tiny.yaml"), out, log=None)
+    return out
+
+
+def test_one_stream_with_a_chain_tree_serves_the_fused_int4_graph_lossless(int4_build, int4_fused_build):
+    """serving.attention auto, an int4 target, one stream, a chain tree: the repository serves the
+    fused 4-bit graph with int8 activations (its metadata says chains), parity reports its own
+    distance from the float model beside the portable 4-bit graph's, and speculative decoding on
+    the served graphs equals their own greedy decoding. The branching-tree build beside it keeps
+    the portable 4-bit graph."""
+    import onnx
+
+    from eagle_trt.build.triton import served_graphs
+    from eagle_trt.config import TreeShape
+    from eagle_trt.graph_names import LOSSLESS_TREES
+    from eagle_trt.runtime.loop import DecodingLoop
+    from eagle_trt.runtime.ort_engines import open_backends
+    from eagle_trt.runtime.two_call import TwoCallEngine
+    out = int4_fused_build
+    settings = json.loads((out / "triton/eagle_trt/1/eagle.json").read_text())
+    assert settings["graphs"]["target"] == "graphs/target.int4.fused.onnx" and settings["precision"]["target"] == "int4"
+    graphs = served_graphs(out / "triton", "eagle_trt")
+    meta = {e.key: e.value for e in onnx.load(str(graphs["target"]), load_external_data=False).metadata_props}
+    assert meta[LOSSLESS_TREES] == "chains"
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(graphs["target"]), load_external_data=False).graph.node)
+    report = json.loads((out / "parity" / "report.json").read_text())
+    portable, fused = report["quantized"]["target"], report["quantized"]["target_fused"]
+    assert report["passed"] and fused["passed"] and fused["graph"] == "target.int4.fused.onnx"
+    assert 0 < fused["worst_rel_l2"] < fused["tolerance"] and 0 < fused["argmax_agreement"] <= 1
+    assert fused["worst_rel_l2"] != portable["worst_rel_l2"]        # its own rounding, measured on its own
+    other = json.loads((int4_build["out"] / "triton/eagle_trt/1/eagle.json").read_text())
+    assert other["graphs"]["target"] == "graphs/target.int4.onnx"
+    shape = TreeShape(*settings["tree"])
+    opened = open_backends(graphs, shape, settings["max_context"], threads=1, precision=settings["precision"])
+    accepted = []
+    for seed in range(3):
+        prompt = torch.randint(3, settings["vocab_size"], (5 + 8 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = DecodingLoop(TwoCallEngine(opened.target), (), settings["vocab_size"]).generate(prompt, 24)
+        spec = DecodingLoop(opened.engine(), (), settings["vocab_size"]).generate(prompt, 24)
+        assert spec.tokens == plain.tokens
+        accepted += spec.accept_lengths
+    assert opened.iteration.graph_calls > 0 and len(accepted) > 10
+
+
+@pytest.mark.parametrize("precision, serving, tree, message", [
+    ({"drafter": {"format": "int4"}}, {}, {}, "precision.drafter.format: int4 is a target format"),
+    ({"target": {"format": "int4"}}, {"runtime": "torch"}, {}, "int4 runs on ONNX Runtime only"),
+    ({"target": {"format": "int4"}}, {"attention": "fused", "max_concurrent": 1}, {},
+     "lossless for chain trees only: tree.top_k 1"),
 ])
-def test_int4_where_it_cannot_run_is_refused(tmp_path, precision, serving, message):
-    data = tiny_config(tmp_path / "t", precision=precision, serving=serving)
+def test_int4_where_it_cannot_run_is_refused(tmp_path, precision, serving, tree, message):
+    data = tiny_config(tmp_path / "t", precision=precision, serving=serving, tree=tree)
     with pytest.raises(BuildConfigError, match=message):
         config_from_dict(data, "tiny.yaml")

@@ -306,5 +306,5 @@ def test_fused_serving_where_it_cannot_run_is_refused(tmp_path, precision, servi
     from test_build_support import tiny_config
 
     from eagle_trt.build import BuildConfigError, config_from_dict
-    with pytest.raises(BuildConfigError, match="serving.attention: fused serves one stream of an fp32 target"):
+    with pytest.raises(BuildConfigError, match="serving.attention: fused serves one stream of an fp32 or int4 target"):
         config_from_dict(tiny_config(tmp_path / "t", precision=precision, serving=serving), "tiny.yaml")

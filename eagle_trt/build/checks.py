@@ -62,7 +62,7 @@ def run_parity_stage(b, out: Path) -> dict:
     # the fused-attention target graph ONNX Runtime serves (serving.attention), made here for its check
     fused = b.ort_fused_attention
     progress = Progress("parity", len(graphs) + 1 + fp16 + 2 * len(quantized) + 2 * iteration + int4
-                        + 2 * (fused is not None), b.log)
+                        + (fused is not None) * (1 if int4 else 2), b.log)
 
     prompts = real_prompt_ids(models, cfg.parity.prompts)
     target = _in_dtype(models.target, tdt)
@@ -85,7 +85,7 @@ def run_parity_stage(b, out: Path) -> dict:
                                     [(c, ids) for c, (_, ids) in zip(tcase.reference[1::2], real)],
                                     on_part=_parts_progress(b, target, "iteration reference", passes=1),
                                     prefix_feed=tcase.feeds[0]))
-    if fused is not None:
+    if fused is not None and not int4:
         cases.append(_fused_case(graphs["target"], out / "fused" / "target.fused.onnx", fused, tcase))
         progress.step("fused-attention target graph made")
     # Every float reference is computed (the target's part by part: models/streamed.py); the
@@ -101,6 +101,11 @@ def run_parity_stage(b, out: Path) -> dict:
                                     progress) for m in quantized}
     if int4:
         entries["target"] = _int4_distance(b.path("quantize", "target.int4.onnx"), tcase, progress)
+    if int4 and fused is not None:      # the served one: fused, int8 activations (its own rounding)
+        from ..export.cpu_attention import fuse_attention
+        path = out / "fused" / "target.int4.fused.onnx"
+        fuse_attention(b.path("quantize", "target.int4.onnx"), path, fused, int8_activations=True)
+        entries["target_fused"] = _int4_distance(path, tcase, progress, fused=True)
     reports = []
     for case in cases:
         with np.errstate(divide="ignore", invalid="ignore"):   # Polygraphy's relative error on exact zeros
@@ -178,14 +183,18 @@ def _fake_quant_reference(b, model: str, module):
 INT4_LOGITS_TOL = 1.0
 
 
-def _int4_distance(graph: Path, float_case, progress: Progress) -> dict:
+def _int4_distance(graph: Path, float_case, progress: Progress, fused: bool = False) -> dict:
     """The int4 target graph (export/cpu_int4.py) on the target case's feeds against the float
-    model's logits: relative L2 (the worst feed) and how often the greedy token agrees."""
+    model's logits: relative L2 (the worst feed) and how often the greedy token agrees. fused: the
+    fused-attention graph made from it, on the one-sequence feeds made its own (fused_feeds)."""
+    from ..export.cpu_attention import fused_feeds
     from ..runtime.sessions import make_session
     session = make_session(graph, threads=1)
     worst, agree, rows = 0.0, 0, 0
     for feed, reference in zip(float_case.feeds, float_case.reference):
-        got = session.run(["logits"], feed)[0].astype(np.float32)
+        if fused and feed["input_ids"].shape[0] != 1:
+            continue
+        got = session.run(["logits"], fused_feeds(feed) if fused else feed)[0].astype(np.float32)
         want = reference["logits"].astype(np.float32)
         worst = max(worst, float(np.linalg.norm(got - want) / (np.linalg.norm(want) or 1.0)))
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())

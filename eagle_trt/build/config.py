@@ -200,8 +200,10 @@ class ServingSection:
     # ONNX Runtime's fused attention (export/cpu_attention.py: each layer's attention one
     # GroupQueryAttention, the KV caches written in place; ~1.1x faster plain and speculative
     # decoding on 2 CPU cores), or the portable graph's plain ops. Its CPU kernel verifies one
-    # sequence a call, so batches (max_concurrent > 1) take the portable graph. auto: fused where
-    # it applies (fp32 target, one stream, a family it maps), else portable.
+    # sequence a call, so batches (max_concurrent > 1) take the portable graph. An int4 target's
+    # fused graph computes with int8 activations and is lossless for chain trees only (tree.top_k
+    # 1). auto: fused where it applies (an fp32 target, or int4 with a chain tree; one stream; a
+    # family it maps), else portable.
     attention: Literal["auto", "fused", "portable"] = "auto"
     # What serves where there are no engines: ONNX Runtime in-process on the built graphs, or the
     # PyTorch models (torch) with each iteration replayed as one CUDA graph per batch size
@@ -265,12 +267,16 @@ class BuildConfig:
                                    f"precision.drafter is {drafter.format}"
                                    + (f" with base {drafter.base}" if drafter.quantized else "")
                                    + "; use auto or float")
-        if self.serving.attention == "fused" and not self.one_fp32_stream_on_onnxruntime:
+        if self.serving.attention == "fused" and not self.fused_attention_servable:
+            t = self.tree
+            chain = (f", and an int4 target's fused graph (int8 activations) is lossless for chain trees only: "
+                     f"tree.top_k 1 (e.g. depth {t.depth}, top_k 1, total_tokens {t.depth}), not top_k {t.top_k}"
+                     if self.precision.target.format == "int4" and t.top_k > 1 else "")
             raise BuildConfigError(
-                f"{source}: serving.attention: fused serves one stream of an fp32 target on ONNX Runtime (its "
-                f"attention operator verifies one sequence a call), but precision.target is "
+                f"{source}: serving.attention: fused serves one stream of an fp32 or int4 target on ONNX Runtime (its "
+                f"attention operator verifies one sequence a call){chain}; precision.target is "
                 f"{self.precision.target.format}, serving.max_concurrent {self.serving.max_concurrent}, serving.runtime "
-                f"{self.serving.runtime}; use auto or portable")
+                f"{self.serving.runtime}, tree.top_k {t.top_k}; use auto or portable")
         fp8 = [n for n in ("target", "drafter") if getattr(self.precision, n).format == "fp8"]
         if self.serving.iteration_graph == "on" and fp8:
             raise BuildConfigError(f"{source}: serving.iteration_graph: on needs float graphs, but precision."
@@ -294,11 +300,14 @@ class BuildConfig:
         return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
     @property
-    def one_fp32_stream_on_onnxruntime(self) -> bool:
-        """Where the fused-attention target graph can serve (serving.attention): an fp32 target on
-        ONNX Runtime, one stream at a time (its operator verifies one sequence a call)."""
-        return (self.precision.target.format == "fp32" and self.serving.max_concurrent == 1
-                and self.serving.runtime == "onnxruntime")
+    def fused_attention_servable(self) -> bool:
+        """Where the fused-attention target graph can serve (serving.attention): an fp32 target, or
+        an int4 one with a chain tree (its fused graph computes with int8 activations, lossless
+        for chains: export/cpu_attention.py), on ONNX Runtime, one stream at a time (the
+        operator verifies one sequence a call)."""
+        target = self.precision.target.format
+        return ((target == "fp32" or (target == "int4" and self.tree.top_k == 1))
+                and self.serving.max_concurrent == 1 and self.serving.runtime == "onnxruntime")
 
     def output_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.outputs.dir or Path("artifacts") / self.name)

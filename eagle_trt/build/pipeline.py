@@ -390,13 +390,13 @@ class Build:
     @property
     def ort_fused_attention(self) -> TargetConfig | None:
         """The target's config where ONNX Runtime serves the fused-attention target graph
-        (serving.attention; export/cpu_attention.py), else None. auto: an fp32 target served one
-        stream at a time whose family the rewrite maps; fused: the same, a family it does not map
-        an error naming why."""
+        (serving.attention; export/cpu_attention.py), else None. auto: an fp32 target (or int4
+        with a chain tree) served one stream at a time whose family the rewrite maps; fused: the
+        same, a family it does not map an error naming why."""
         from ..export.cpu_attention import FusedAttentionError, check_fusable
         cfg = self.cfg
         attention = cfg.serving.attention
-        if attention == "portable" or not cfg.one_fp32_stream_on_onnxruntime:
+        if attention == "portable" or not cfg.fused_attention_servable:
             return None
         path = Path(self.resolved["target"]["folder"]) / "config.json"
         tcfg = TargetConfig.from_hf(read_json(path), str(path))

@@ -132,7 +132,8 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
     """The repository in `out`; `drafter_int8` (ONNX Runtime only) serves the drafter graph with
     int8 weights made here from graphs['drafter_tree'] (serving.drafter_weights);
     `fused_attention` (ONNX Runtime only: the target's config) serves the target graph with ONNX
-    Runtime's fused attention, made here from graphs['target'] (serving.attention);
+    Runtime's fused attention, made here from graphs['target'] (serving.attention; a 4-bit one's
+    with int8 activations, lossless for the chain tree the config then has);
     `iteration_graph` (ONNX Runtime only) adds the served target and drafter graphs composed
     into one (serving.iteration_graph, export/iteration.py)."""
     name = cfg.serving.model_name
@@ -175,8 +176,10 @@ def write_repository(out: Path, cfg: BuildConfig, resolved: dict, graphs: dict[s
             if graph == "target" and fused_attention is not None:
                 path = version / "graphs" / f"{path.stem}.fused.onnx"
                 path.parent.mkdir(exist_ok=True)
-                counts = fuse_attention(graphs[graph], path, fused_attention)
-                progress.step(f"fused-attention target graph ({counts['fused_layers']} GroupQueryAttention layers)")
+                int4 = precision.get(graph) == "int4"
+                counts = fuse_attention(graphs[graph], path, fused_attention, int8_activations=int4)
+                progress.step(f"fused-attention target graph ({counts['fused_layers']} GroupQueryAttention layers"
+                              + (", int8 activations: chain trees" if int4 else "") + ")")
             elif graph == "drafter_tree" and drafter_int8:
                 path = version / "graphs" / f"{path.stem}.int8.onnx"
                 path.parent.mkdir(exist_ok=True)
