@@ -6,6 +6,7 @@ on the served graphs equals their own greedy decoding. Settings it cannot serve 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,14 +41,17 @@ def test_every_stage_runs_and_the_repository_serves_the_int4_target(int4_build):
     assert settings["graphs"]["iteration"] == "graphs/iteration.onnx"
 
 
-def test_speculative_decoding_on_the_served_int4_graphs_equals_their_greedy_decoding(int4_build):
+def check_served_speculative_equals_greedy(repository: Path) -> None:
+    """Speculative decoding on a repository's served graphs (its iteration graph) equals their own
+    greedy decoding on random prompts. The build's untrained fallback drafter rarely guesses right
+    on this target; accepted drafts on an int4 target are checked in test_cpu_int4.py."""
     from eagle_trt.build.triton import served_graphs
     from eagle_trt.config import TreeShape
     from eagle_trt.runtime.loop import DecodingLoop
     from eagle_trt.runtime.ort_engines import open_backends
     from eagle_trt.runtime.two_call import TwoCallEngine
-    graphs = served_graphs(int4_build["out"] / "triton", "eagle_trt")
-    settings = json.loads((int4_build["out"] / "triton/eagle_trt/1/eagle.json").read_text())
+    graphs = served_graphs(repository, "eagle_trt")
+    settings = json.loads((repository / "eagle_trt/1/eagle.json").read_text())
     shape = TreeShape(*settings["tree"])
     opened = open_backends(graphs, shape, settings["max_context"], threads=1, precision=settings["precision"])
     assert opened.iteration is not None
@@ -59,9 +63,11 @@ def test_speculative_decoding_on_the_served_int4_graphs_equals_their_greedy_deco
         spec = DecodingLoop(opened.engine(), (), settings["vocab_size"]).generate(prompt, 24)
         assert spec.tokens == plain.tokens
         accepted += spec.accept_lengths
-    # the build's untrained fallback drafter rarely guesses right on this target; accepted drafts on
-    # an int4 target are checked in test_cpu_int4.py
     assert opened.iteration.graph_calls > 0 and len(accepted) > 10
+
+
+def test_speculative_decoding_on_the_served_int4_graphs_equals_their_greedy_decoding(int4_build):
+    check_served_speculative_equals_greedy(int4_build["out"] / "triton")
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +90,7 @@ def test_one_stream_with_a_chain_tree_serves_the_fused_int4_graph_lossless(int4_
     import onnx
 
     from eagle_trt.build.triton import served_graphs
-    from eagle_trt.config import TreeShape
     from eagle_trt.graph_names import LOSSLESS_TREES
-    from eagle_trt.runtime.loop import DecodingLoop
-    from eagle_trt.runtime.ort_engines import open_backends
-    from eagle_trt.runtime.two_call import TwoCallEngine
     out = int4_fused_build
     settings = json.loads((out / "triton/eagle_trt/1/eagle.json").read_text())
     assert settings["graphs"]["target"] == "graphs/target.int4.fused.onnx" and settings["precision"]["target"] == "int4"
@@ -103,17 +105,7 @@ def test_one_stream_with_a_chain_tree_serves_the_fused_int4_graph_lossless(int4_
     assert fused["worst_rel_l2"] != portable["worst_rel_l2"]        # its own rounding, measured on its own
     other = json.loads((int4_build["out"] / "triton/eagle_trt/1/eagle.json").read_text())
     assert other["graphs"]["target"] == "graphs/target.int4.onnx"
-    shape = TreeShape(*settings["tree"])
-    opened = open_backends(graphs, shape, settings["max_context"], threads=1, precision=settings["precision"])
-    accepted = []
-    for seed in range(3):
-        prompt = torch.randint(3, settings["vocab_size"], (5 + 8 * seed,),
-                               generator=torch.Generator().manual_seed(seed)).tolist()
-        plain = DecodingLoop(TwoCallEngine(opened.target), (), settings["vocab_size"]).generate(prompt, 24)
-        spec = DecodingLoop(opened.engine(), (), settings["vocab_size"]).generate(prompt, 24)
-        assert spec.tokens == plain.tokens
-        accepted += spec.accept_lengths
-    assert opened.iteration.graph_calls > 0 and len(accepted) > 10
+    check_served_speculative_equals_greedy(out / "triton")
 
 
 @pytest.mark.parametrize("precision, serving, tree, message", [
