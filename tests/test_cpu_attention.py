@@ -106,7 +106,7 @@ def test_a_tied_head_becomes_a_conv_over_the_embedding_itself(tmp_path):
     embed, odd = gen.standard_normal((64, 32), dtype=np.float32), gen.standard_normal((32, 20), dtype=np.float32)
     nodes = [helper.make_node("Transpose", ["embed"], ["embed_t"], name="tie"),
              helper.make_node("MatMul", ["x", "embed_t"], ["logits"], name="/model/lm_head/MatMul"),
-             helper.make_node("MatMul", ["x", "odd"], ["odd_out"], name="/odd/MatMul")]
+             helper.make_node("MatMul", ["x", "odd"], ["odd_out"], name="/model/odd/MatMul")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 32])],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("logits", "odd_out")],
                               [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(odd, "odd"),

@@ -284,15 +284,16 @@ class _Packer:
         return _pointwise_conv(x, f"{name}.conv_weight", out, name)
 
     def as_convs(self, nodes: list) -> list:
-        """`nodes` with every other float weight MatMul (an initializer [K, N], or a tied head's
-        transposed embedding [N, K]) a pointwise Conv."""
+        """`nodes` with every other float weight MatMul of the model's projections (named /model/...
+        by the exporter: each reads [B, T, K] rows) a pointwise Conv: its weights an initializer
+        [K, N], or a tied head's transposed embedding [N, K]."""
         transposed = {n.output[0]: n.input[0] for n in nodes if n.op_type == "Transpose" and n.input[0] in self.weights
                       and len(self.weights[n.input[0]].dims) == 2
                       and [helper.get_attribute_value(a) for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])}
         out = []
         for node in nodes:
-            w = node.input[1] if node.op_type == "MatMul" else None
-            tensor = self.weights.get(w) or self.weights.get(transposed.get(w))
+            w = node.input[1] if node.op_type == "MatMul" and node.name.startswith("/model/") else None
+            tensor = self.weights.get(w if w in self.weights else transposed.get(w))
             if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2 or \
                     not _conv_shape(*(tensor.dims if w in self.weights else tensor.dims[::-1])):
                 out.append(node)
