@@ -223,7 +223,6 @@ class _Packer:
     def __init__(self, g: onnx.GraphProto, source_dir: Path | None, data: DataFile | None, convs: bool = False):
         self.weights = {t.name: t for t in g.initializer}
         self.source_dir, self.data, self.new, self.convs = source_dir, data, [], convs
-        self.converted = 0
 
     def _parts(self, nodes, prefix: str):
         """(MatMul, bias Add or None) of the projection `prefix`, or None if it is not one."""
@@ -280,7 +279,6 @@ class _Packer:
         conv_w = np.ascontiguousarray(w.T)[:, :, None, None]
         self.new.append(new_tensor(f"{name}.conv_weight", TensorProto.FLOAT, list(conv_w.shape), conv_w.tobytes(),
                                    self.data))
-        self.converted += 1
         return _pointwise_conv(x, f"{name}.conv_weight", out, name)
 
     def as_convs(self, nodes: list) -> list:
@@ -307,7 +305,6 @@ class _Packer:
             self.new.append(numpy_helper.from_array(np.array([*tensor.dims, 1, 1], np.int64), shape))
             out.append(helper.make_node("Reshape", [tensor.name, shape], [f"{name}.conv_weight"], name=f"{name}/weight_Reshape"))
             out += _pointwise_conv(node.input[0], f"{name}.conv_weight", node.output[0], name)
-            self.converted += 1
         return out
 
     def _matmul_nbits(self, matmuls, packed: str):
@@ -353,10 +350,11 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
     if inputs["past_key_0"].type.tensor_type.elem_type != TensorProto.FLOAT:
         raise FusedAttentionError(f"{where}: the fused-attention graph is made from a float32 target graph")
     nodes = list(g.node)
-    if int8_activations and not any(n.op_type == "MatMulNBits" for n in nodes):
+    four_bit = any(n.op_type == "MatMulNBits" for n in nodes)
+    if int8_activations and not four_bit:
         raise FusedAttentionError(f"{where}: int8 activations are for a 4-bit (MatMulNBits) target graph")
     if convs is None:
-        convs = not any(n.op_type == "MatMulNBits" for n in nodes)
+        convs = not four_bit
     mask_nodes, consts = _mask_nodes()
     if int8_activations:
         mask_nodes += _one_row_padding()
@@ -432,8 +430,8 @@ def fuse(model: onnx.ModelProto, cfg: TargetConfig, where: str = "target graph",
     remove_unused(g, {t.name for t in g.initializer})
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    counts = {"fused_layers": len(kv_names), "packed_layers": packed_layers, "conv_projections": packer.converted,
-              "nodes": len(g.node)}
+    counts = {"fused_layers": len(kv_names), "packed_layers": packed_layers,
+              "conv_projections": sum(n.op_type == "Conv" for n in g.node), "nodes": len(g.node)}
     if int8_activations:
         counts["int8_activation_matmuls"] = use_int8_activations(model)
         set_metadata(model, {PADS_ONE_ROW: "1", LOSSLESS_TREES: "chains"})
