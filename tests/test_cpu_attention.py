@@ -77,8 +77,13 @@ def test_float_projections_are_pointwise_convs_onnx_runtime_blocks(tiny_graphs, 
     q_width = cfg.num_attention_heads * cfg.head_dim
     portable = {t.name: t for t in onnx.load(str(graphs["target"])).graph.initializer}
     q_t = next(t for name, t in portable.items() if name.startswith("model.layers.0.self_attn.q_proj"))
+    scale = cfg.head_dim ** -0.5           # a power of two here: folded into q, the operator's scale 1
+    assert scale == 0.25
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(weights[qkv.input[1]])[:q_width, :, 0, 0],
-                                  onnx.numpy_helper.to_array(q_t).T)
+                                  onnx.numpy_helper.to_array(q_t).T * np.float32(scale))
+    scales = [a.f for n in model.graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
+              if a.name == "scale"]
+    assert scales == [1.0] * cfg.num_hidden_layers
     if _x86_with_avx2():
         so = ort.SessionOptions()
         so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -237,7 +242,9 @@ def test_fused_graph_outputs_equal_the_portable_graphs_on_parity_feeds(tiny_grap
 def test_packed_projections_are_bit_identical_to_separate_ones(tiny_graphs, fused, tmp_path):
     """Each layer's q / k / v one MatMul read as packed QKV by the operator, its gate / up one
     MatMul and a Split: the same sums column by column, so every output equals the graph with
-    separate projections exactly, prefills and tree verifications alike."""
+    separate projections exactly, prefills and tree verifications alike. The packed graph also
+    has 1/sqrt(head_dim) folded into q (the operator's scale 1), the separate one not: a power
+    of two changes no digit."""
     from eagle_trt.export.cpu_attention import fused_feeds
     from eagle_trt.parity import target_case
     from eagle_trt.runtime.sessions import make_session
@@ -248,6 +255,9 @@ def test_packed_projections_are_bit_identical_to_separate_ones(tiny_graphs, fuse
     packed_model, separate_model = onnx.load(str(fused[0])), onnx.load(str(separate))
     operators = [n for n in packed_model.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(operators) == layers and all(n.input[1] == n.input[2] == "" for n in operators)
+    assert all(any(a.name == "scale" for a in n.attribute) for n in operators)
+    assert not any(a.name == "scale" for n in separate_model.graph.node if n.op_type == "GroupQueryAttention"
+                   for a in n.attribute)
 
     def matmuls(m):       # the projections: MatMuls, or pointwise Convs (the default in a float graph)
         return sum(n.op_type in ("MatMul", "Conv") for n in m.graph.node)
