@@ -53,6 +53,7 @@ from .config import ConfigError, SamplingConfig, TreeShape, parse_tree
 from .devices import add_device_options, resolve_device, resolve_dtype, torch_dtype
 from .export import export_pipeline
 from .peers import PeerUnavailable
+from .runtime import huge_pages
 from .runtime.ort_engines import open_backends
 from .runtime.static import StaticEngine
 from .runtime.timing import OrtDecoding, decoding_threads, ort_threads
@@ -441,7 +442,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
               "tree": [shape.depth, shape.top_k, shape.total_tokens],
               "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling) if sampling else None,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tree_sweep": tree_sweep,
-              "results": results, "concurrency": concurrent}
+              "results": results, "concurrency": concurrent, "huge_pages": huge_pages.summary()}
     fused = ", fused attention" if report["attention"] == "fused" else ""
     print(f"\n{report['target_weights']} target{fused}, {report['drafter_variant']} drafter ({report['drafter_weights']} weights"
           f"{', one call an iteration' if ort.backends.iteration is not None else ''}), tree {tuple(report['tree'])}, "
@@ -456,7 +457,7 @@ def _compare(args, f32, folder: Path, prompts: dict, sweep: list[list[int]], hel
     if tree_sweep:
         print("tree sweep (held-out MT-bench prompts, speculative tok/s): " + ", ".join(
             f"{sweep_label(r)} {r['tokens_per_second']:.1f} (accept {r['mean_accept_length']:.2f})" for r in tree_sweep))
-    print(f"peak RSS {peak_rss_gb():.2f} GB")
+    print(f"peak RSS {peak_rss_gb():.2f} GB; {report['huge_pages']}")
     return report
 
 
