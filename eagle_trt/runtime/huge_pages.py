@@ -14,8 +14,8 @@ in, even where the kernel merged it with its neighbours into one region) is mark
 and collapsed at once with MADV_COLLAPSE (Linux 6.1+; it works whatever the `enabled` setting,
 short of `never`). On the
 2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one process, two sessions' calls
-taking turns, `python scripts/huge_pages_ab.py`): a one-token call 5% faster, a five-token one 4%;
-collapsing ~0.9 GB took 0.5-2.5 s once. Nothing changes in what the graphs compute.
+taking turns, `python scripts/huge_pages_ab.py`): a one-token call 2-5% faster, a five-token one
+0-4%; collapsing ~0.75 GB took 0.8-2 s once. Nothing changes in what the graphs compute.
 
 Off with EAGLE_TRT_HUGE_PAGES=0; elsewhere than Linux, or where the kernel refuses, nothing is done
 (the calls fail quietly and the pages stay as they were)."""
