@@ -102,17 +102,27 @@ def main(argv=None) -> int:
                     first = out if first is None else first
                     print(f"{tokens} token(s): {name}: {calls[name][1][0]} max abs difference from the first "
                           f"graph's {float(np.abs(out - first).max()):.2e}")
-            times = {name: [] for name in calls}
-            for _ in range(args.rounds):
-                for name, (s, outputs, feeds) in calls.items():
-                    start = time.perf_counter()
-                    for _ in range(5):
-                        s.run(outputs, feeds)
-                    times[name].append((time.perf_counter() - start) / 5 * 1e3)
-            for name, t in times.items():
-                print(f"{tokens} token(s), past {args.context}: {name}: median {statistics.median(t):.2f} ms, "
-                      f"min {min(t):.2f} ms")
+            print_times(tokens, args.context, take_turns(calls, args.rounds, 5))
     return 0
+
+
+def take_turns(calls: dict, rounds: int, repeats: int, alternate: bool = False) -> dict[str, list[float]]:
+    """calls: name -> (session, output names, feeds). Each round runs each `repeats` times in turn
+    (the order reversed every other round where `alternate`); ms a call per round and name."""
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        order = list(calls.items())
+        for name, (s, outputs, feeds) in (order[::-1] if alternate and r % 2 else order):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                s.run(outputs, feeds)
+            times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    return times
+
+
+def print_times(tokens: int, context: int, times: dict[str, list[float]]) -> None:
+    for name, t in times.items():
+        print(f"{tokens} token(s), past {context}: {name}: median {statistics.median(t):.2f} ms, min {min(t):.2f} ms")
 
 
 if __name__ == "__main__":

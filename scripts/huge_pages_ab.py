@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_ab import target_feeds  # noqa: E402
+from graph_ab import print_times, take_turns, target_feeds  # noqa: E402
 
 from eagle_trt.checkpoints import cache_dir  # noqa: E402
 from eagle_trt.runtime import huge_pages  # noqa: E402
@@ -53,18 +51,8 @@ def main(argv=None) -> int:
     sessions["4 KB pages"] = make_session(args.graph, args.threads)
     print(f"4 KB pages: AnonHugePages still {anon_huge_kb() >> 10} MB")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        feeds = {name: target_feeds(s, tokens, args.context) for name, s in sessions.items()}
-        times = {name: [] for name in sessions}
-        for r in range(args.rounds):
-            order = list(sessions.items()) if r % 2 else list(sessions.items())[::-1]
-            for name, s in order:
-                start = time.perf_counter()
-                for _ in range(3):
-                    s.run(None, feeds[name])
-                times[name].append((time.perf_counter() - start) / 3 * 1e3)
-        for name, t in times.items():
-            print(f"{tokens} token(s), past {args.context}: {name}: median {statistics.median(t):.2f} ms, "
-                  f"min {min(t):.2f} ms")
+        calls = {name: (s, None, target_feeds(s, tokens, args.context)) for name, s in sessions.items()}
+        print_times(tokens, args.context, take_turns(calls, args.rounds, 3, alternate=True))
     return 0
 
 
