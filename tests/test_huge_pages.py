@@ -88,3 +88,14 @@ def test_a_cpu_session_collapses_what_it_allocates(tiny_graphs, monkeypatch):
     monkeypatch.setattr(huge_pages, "_collapse", lambda regions: (calls.append(regions), real(regions)))
     make_session(tiny_graphs[2]["target"], 1)
     assert len(calls) == 1
+
+
+def test_an_unreadable_proc_leaves_the_pages_alone(monkeypatch):
+    """Where /proc cannot be read (a locked-down container), sessions are made as before."""
+    def unreadable():
+        raise PermissionError("/proc/self/maps")
+    monkeypatch.setattr(huge_pages, "_anonymous_regions", unreadable)
+    monkeypatch.setattr(huge_pages, "enabled", lambda: True)
+    with huge_pages.new_memory_in_huge_pages():
+        made = True
+    assert made

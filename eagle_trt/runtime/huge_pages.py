@@ -12,13 +12,13 @@ appeared or grew while it ran (at least MIN_REGION long), each 2 MB range whose 
 least FULL present (/proc/self/pagemap; so no reserved-but-unused arena or thread stack is filled
 in, even where the kernel merged it with its neighbours into one region) is marked MADV_HUGEPAGE
 and collapsed at once with MADV_COLLAPSE (Linux 6.1+; it works whatever the `enabled` setting,
-short of `never`). On the
-2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one process, two sessions' calls
-taking turns, `python scripts/huge_pages_ab.py`): a one-token call 2-5% faster, a five-token one
-0-4%; collapsing ~0.75 GB took 0.8-2 s once. Nothing changes in what the graphs compute.
+short of `never`). On the 2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one
+process, two sessions' calls taking turns, `python scripts/huge_pages_ab.py`): a one-token call
+2-5% faster, a five-token one 0-4%; collapsing ~0.75 GB took 0.8-2 s once. Nothing changes in
+what the graphs compute.
 
-Off with EAGLE_TRT_HUGE_PAGES=0; elsewhere than Linux, or where the kernel refuses, nothing is done
-(the calls fail quietly and the pages stay as they were)."""
+Off with EAGLE_TRT_HUGE_PAGES=0. Elsewhere than Linux, where /proc cannot be read or where the
+kernel refuses, nothing is done and the pages stay as they were: never an error."""
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +44,7 @@ class Collapsed:
     bytes: int = 0
     seconds: float = 0.0
     refused: int = 0          # bytes the kernel would not collapse
+    chunks: set[int] = field(default_factory=set)    # 2 MB ranges counted (a grown heap is seen again)
 
 
 COLLAPSED = Collapsed()
@@ -95,10 +96,13 @@ def _collapse(regions: set[tuple[int, int]]) -> None:
                 continue
             for a, b in _full_ranges(lo, hi, pagemap):
                 libc.madvise(a, b - a, MADV_HUGEPAGE)        # later faults there get huge pages too
+                chunks = set(range(a, b, HUGE_PAGE))
+                new = len(chunks - COLLAPSED.chunks) * HUGE_PAGE   # (an already huge range costs the kernel nothing)
                 if libc.madvise(a, b - a, MADV_COLLAPSE) == 0:
-                    COLLAPSED.bytes += b - a
+                    COLLAPSED.bytes += new
+                    COLLAPSED.chunks |= chunks
                 else:
-                    COLLAPSED.refused += b - a
+                    COLLAPSED.refused += new
     finally:
         os.close(pagemap)
     COLLAPSED.seconds += time.perf_counter() - start
@@ -110,9 +114,16 @@ def new_memory_in_huge_pages():
     if not enabled():
         yield
         return
-    before = _anonymous_regions()
+    try:
+        before = _anonymous_regions()
+    except OSError:                 # /proc unreadable: leave the pages as they are
+        before = None
     yield
-    _collapse(_anonymous_regions() - before)
+    if before is not None:
+        try:
+            _collapse(_anonymous_regions() - before)
+        except OSError:
+            pass
 
 
 def summary() -> str:
