@@ -1,6 +1,6 @@
-"""runtime/huge_pages.py: memory a block allocates and fills is collapsed into 2 MB pages, memory
-it only reserves is left alone, EAGLE_TRT_HUGE_PAGES=0 turns it off; make_session's CPU sessions
-get it."""
+"""runtime/huge_pages.py: the process's filled memory is collapsed into 2 MB pages and keeps its
+bytes, memory it only maps is left alone, EAGLE_TRT_HUGE_PAGES=0 turns it off, an unreadable /proc
+is no error; make_session runs it after making a CPU session."""
 from __future__ import annotations
 
 import pytest
@@ -58,10 +58,9 @@ def test_filled_memory_is_collapsed_reserved_memory_is_not(monkeypatch):
     monkeypatch.setattr(huge_pages, "COLLAPSED", huge_pages.Collapsed())
     if not _kernel_collapses():
         pytest.skip("this kernel refuses MADV_COLLAPSE (Linux 6.1+)")
-    with huge_pages.new_memory_in_huge_pages():
-        reserved, at = _fresh(48, fill=False)           # mapped, never touched
-    with huge_pages.new_memory_in_huge_pages():         # (apart: adjacent mappings merge into one region)
-        filled, address = _fresh(48, fill=True)
+    reserved, at = _fresh(48, fill=False)               # mapped, never touched
+    filled, address = _fresh(48, fill=True)             # (the kernel may merge the two into one region)
+    huge_pages.collapse_filled_memory()
     assert _huge_kb(address, len(filled)) >= 40 << 10
     assert _huge_kb(at, len(reserved)) == 0           # collapsing would have filled it in
     assert filled[:] == b"\1" * len(filled)          # the same bytes, now in other pages
@@ -72,16 +71,16 @@ def test_filled_memory_is_collapsed_reserved_memory_is_not(monkeypatch):
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setattr(huge_pages, "COLLAPSED", huge_pages.Collapsed())
     monkeypatch.setenv(huge_pages.SWITCH, "0")
-    with huge_pages.new_memory_in_huge_pages():
-        filled, address = _fresh(48, fill=True)
+    filled, address = _fresh(48, fill=True)
+    huge_pages.collapse_filled_memory()
     assert huge_pages.COLLAPSED.bytes == 0 and _huge_kb(address, len(filled)) == 0
     assert huge_pages.SWITCH in huge_pages.summary()
 
 
 @needs_thp
 def test_a_cpu_session_collapses_what_it_allocates(tiny_graphs, monkeypatch):
-    """make_session wraps the making of a CPU session (a tiny graph's weights are too small to
-    collapse: the call is what is checked here)."""
+    """make_session collapses after making a CPU session (a tiny graph's weights are too small to
+    see: the call is what is checked here)."""
     from eagle_trt.runtime.sessions import make_session
     calls = []
     real = huge_pages._collapse
@@ -96,6 +95,4 @@ def test_an_unreadable_proc_leaves_the_pages_alone(monkeypatch):
         raise PermissionError("/proc/self/maps")
     monkeypatch.setattr(huge_pages, "_anonymous_regions", unreadable)
     monkeypatch.setattr(huge_pages, "enabled", lambda: True)
-    with huge_pages.new_memory_in_huge_pages():
-        made = True
-    assert made
+    huge_pages.collapse_filled_memory()

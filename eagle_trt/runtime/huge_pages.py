@@ -1,4 +1,4 @@
-"""A session's weights in 2 MB pages (Linux transparent huge pages) instead of 4 KB ones.
+"""The sessions' weights in 2 MB pages (Linux transparent huge pages) instead of 4 KB ones.
 
 A CPU decoding step streams every weight once (SmolLM2: ~540 MB a token). ONNX Runtime holds its
 weights in anonymous memory (its reordered Conv filters, its prepacked GEMM panels), which under
@@ -7,15 +7,19 @@ every 4 KB, and the hardware prefetchers stop at each page's end. llama.cpp's we
 memory-mapped GGUF, which the page cache of ext4 / xfs partly backs with large folios (on the
 2-core EPYC, 184 of the f32 file's 525 MB were PMD-mapped), so it gets some of that for free.
 
-`new_memory_in_huge_pages()` wraps the making of a session: in the anonymous regions that
-appeared or grew while it ran (at least MIN_REGION long), each 2 MB range whose 4 KB pages are at
-least FULL present (/proc/self/pagemap; so no reserved-but-unused arena or thread stack is filled
-in, even where the kernel merged it with its neighbours into one region) is marked MADV_HUGEPAGE
-and collapsed at once with MADV_COLLAPSE (Linux 6.1+; it works whatever the `enabled` setting,
-short of `never`). On the 2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one
-process, two sessions' calls taking turns, `python scripts/huge_pages_ab.py`): a one-token call
-2-5% faster, a five-token one 0-4%; collapsing ~0.75 GB took 0.8-2 s once. Nothing changes in
-what the graphs compute.
+`collapse_filled_memory()` runs after each CPU session is made (runtime/sessions.py): in this
+process's anonymous regions of at least MIN_REGION, each 2 MB range whose 4 KB pages are at least
+FULL present (/proc/self/pagemap; so no reserved-but-unused arena or thread stack is filled in,
+even where the kernel merged it with its neighbours into one region) is marked MADV_HUGEPAGE and
+collapsed with MADV_COLLAPSE (Linux 6.1+; it works whatever the `enabled` setting, short of
+`never`). The whole process, not only the regions the session added: its weights may land in
+memory the process had freed (in a bench run right after an export, those regions held 0.11 of
+the sessions' ~0.7 GB). The first call pays ~2.5 s per GB of filled memory, later ones only for
+what was filled since: a range already in 2 MB pages costs the kernel next to nothing.
+
+On the 2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one process, two sessions'
+calls taking turns, `python scripts/huge_pages_ab.py`): a one-token call 2-5% faster, a
+five-token one 0-4%. Nothing changes in what the graphs compute.
 
 Off with EAGLE_TRT_HUGE_PAGES=0. Elsewhere than Linux, where /proc cannot be read or where the
 kernel refuses, nothing is done and the pages stay as they were: never an error."""
@@ -25,7 +29,6 @@ import ctypes
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,11 +43,11 @@ SWITCH = "EAGLE_TRT_HUGE_PAGES"
 
 @dataclass
 class Collapsed:
-    """What new_memory_in_huge_pages did in this process so far."""
+    """What collapse_filled_memory did in this process so far."""
     bytes: int = 0
     seconds: float = 0.0
     refused: int = 0          # bytes the kernel would not collapse
-    chunks: set[int] = field(default_factory=set)    # 2 MB ranges counted (a grown heap is seen again)
+    chunks: set[int] = field(default_factory=set)    # 2 MB ranges counted (each call sees them again)
 
 
 COLLAPSED = Collapsed()
@@ -108,27 +111,20 @@ def _collapse(regions: set[tuple[int, int]]) -> None:
     COLLAPSED.seconds += time.perf_counter() - start
 
 
-@contextmanager
-def new_memory_in_huge_pages():
-    """Collapse into 2 MB pages the memory the block allocated (the module docstring)."""
+def collapse_filled_memory() -> None:
+    """Every filled 2 MB range of this process's anonymous memory into a 2 MB page (the module
+    docstring)."""
     if not enabled():
-        yield
         return
     try:
-        before = _anonymous_regions()
+        _collapse(_anonymous_regions())
     except OSError:                 # /proc unreadable: leave the pages as they are
-        before = None
-    yield
-    if before is not None:
-        try:
-            _collapse(_anonymous_regions() - before)
-        except OSError:
-            pass
+        pass
 
 
 def summary() -> str:
     """One line on what was collapsed, for bench's report."""
     if not enabled():
         return f"weights in 4 KB pages ({SWITCH}=0, not Linux, or transparent huge pages 'never')"
-    line = f"{COLLAPSED.bytes / 2**30:.2f} GB of the sessions' memory collapsed into 2 MB pages in {COLLAPSED.seconds:.1f} s"
+    line = f"{COLLAPSED.bytes / 2**30:.2f} GB of filled memory (the sessions' weights among it) collapsed into 2 MB pages in {COLLAPSED.seconds:.1f} s"
     return line + (f" ({COLLAPSED.refused / 2**30:.2f} GB refused by the kernel)" if COLLAPSED.refused else "")

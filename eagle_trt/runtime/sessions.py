@@ -13,12 +13,11 @@ runs an FP8 graph with these settings as keyword arguments: `OrtDrafter(path, sh
 **FP8_SESSION)` (min_rows: see OrtTarget)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
 import onnxruntime as ort
 
-from .huge_pages import new_memory_in_huge_pages
+from . import huge_pages
 
 # The execution providers of each device a session runs on ("cuda": onnxruntime-gpu)
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -65,13 +64,13 @@ def make_session(path: str | Path, threads: int | None = None,
     providers = providers or ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in providers and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    # on the CPU the weights it prepacks go into 2 MB pages (runtime/huge_pages.py)
-    pages = new_memory_in_huge_pages() if providers == ["CPUExecutionProvider"] else nullcontext()
     try:
-        with pages:
-            return ort.InferenceSession(str(path), so, providers=providers)
+        session = ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
         raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
+    if providers == ["CPUExecutionProvider"]:
+        huge_pages.collapse_filled_memory()     # the weights it prepacked into 2 MB pages
+    return session
 
 
 # make_session's keyword arguments for FP8 Q/DQ graphs (module docstring); float graphs run with
