@@ -79,13 +79,15 @@ def test_the_switch_turns_it_off(monkeypatch):
 
 @needs_thp
 def test_a_cpu_session_collapses_what_it_allocates(tiny_graphs, monkeypatch):
-    """make_session collapses after making a CPU session (a tiny graph's weights are too small to
-    see: the call is what is checked here)."""
+    """make_session collapses after making a CPU session, unless told not to (a tiny graph's
+    weights are too small to see: the call is what is checked here)."""
     from eagle_trt.runtime.sessions import make_session
     calls = []
     real = huge_pages._collapse
     monkeypatch.setattr(huge_pages, "_collapse", lambda regions: (calls.append(regions), real(regions)))
     make_session(tiny_graphs[2]["target"], 1)
+    assert len(calls) == 1
+    make_session(tiny_graphs[2]["target"], 1, huge_pages=False)      # a session that only checks a graph
     assert len(calls) == 1
 
 

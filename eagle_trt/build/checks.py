@@ -189,7 +189,7 @@ def _int4_distance(graph: Path, float_case, progress: Progress, fused: bool = Fa
     fused-attention graph made from it, on the one-sequence feeds made its own (fused_feeds)."""
     from ..export.cpu_attention import fused_feeds
     from ..runtime.sessions import make_session
-    session = make_session(graph, threads=1)
+    session = make_session(graph, threads=1, huge_pages=False)     # a check, not a decoding session
     worst, agree, rows = 0.0, 0, 0
     for feed, reference in zip(float_case.feeds, float_case.reference):
         if fused and feed["input_ids"].shape[0] != 1:

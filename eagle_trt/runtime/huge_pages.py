@@ -7,7 +7,8 @@ every 4 KB, and the hardware prefetchers stop at each page's end. llama.cpp's we
 memory-mapped GGUF, which the page cache of ext4 / xfs partly backs with large folios (on the
 2-core EPYC, 184 of the f32 file's 525 MB were PMD-mapped), so it gets some of that for free.
 
-`collapse_filled_memory()` runs after each CPU session is made (runtime/sessions.py): in this
+`collapse_filled_memory()` runs after each decoding CPU session is made (runtime/sessions.py;
+not for the sessions that only check a graph): in this
 process's anonymous regions of at least MIN_REGION, each 2 MB range whose 4 KB pages are at least
 FULL present (/proc/self/pagemap; so no reserved-but-unused arena or thread stack is filled in,
 even where the kernel merged it with its neighbours into one region) is marked MADV_HUGEPAGE and

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from . import huge_pages
+from . import huge_pages as pages
 
 # The execution providers of each device a session runs on ("cuda": onnxruntime-gpu)
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -29,8 +29,11 @@ SPIN_MODES = ("in-call", "always", "off")
 def make_session(path: str | Path, threads: int | None = None,
                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                  config: dict[str, str] | None = None, spin: str = "in-call",
-                 providers: list[str] | None = None) -> ort.InferenceSession:
+                 providers: list[str] | None = None, huge_pages: bool = True) -> ort.InferenceSession:
     """config: ONNX Runtime session config entries (e.g. FP8_SESSION's, below).
+    huge_pages: on the CPU, once the session is made, the process's filled memory (its weights
+    among it) is collapsed into 2 MB pages (runtime/huge_pages.py: a few percent faster decoding,
+    ~2.5 s a GB of new memory): off for sessions that only check a graph.
     providers: ONNX Runtime's execution providers (default: the CPU's); with CUDAExecutionProvider
     (onnxruntime-gpu) the CUDA and cuDNN libraries PyTorch brings are loaded first.
 
@@ -68,8 +71,8 @@ def make_session(path: str | Path, threads: int | None = None,
         session = ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # noqa: BLE001 - name the file with ORT's reason
         raise ValueError(f"{path}: ONNX Runtime cannot load this graph ({exc})") from None
-    if providers == ["CPUExecutionProvider"]:
-        huge_pages.collapse_filled_memory()     # the weights it prepacked into 2 MB pages
+    if huge_pages and providers == ["CPUExecutionProvider"]:
+        pages.collapse_filled_memory()          # the weights it prepacked into 2 MB pages
     return session
 
 
@@ -83,7 +86,8 @@ def fp8_session(path: str | Path, threads: int | None = 1) -> ort.InferenceSessi
     folded (a real-size target's layer check runs it unoptimized instead, its weights fed as
     memory maps: parity_sessions.probe_session). Its workers keep spinning between calls (ONNX
     Runtime's default: no call alternates with another session's)."""
-    return make_session(path, threads, level=FP8_SESSION["level"], config=FP8_SESSION["config"], spin="always")
+    return make_session(path, threads, level=FP8_SESSION["level"], config=FP8_SESSION["config"], spin="always",
+                        huge_pages=False)
 
 
 __all__ = ["FP8_SESSION", "PROVIDERS", "SPIN_MODES", "fp8_session", "make_session"]
