@@ -7,16 +7,16 @@ every 4 KB, and the hardware prefetchers stop at each page's end. llama.cpp's we
 memory-mapped GGUF, which the page cache of ext4 / xfs partly backs with large folios (on the
 2-core EPYC, 184 of the f32 file's 525 MB were PMD-mapped), so it gets some of that for free.
 
-`collapse_filled_memory()` runs after each decoding CPU session is made (runtime/sessions.py;
-not for the sessions that only check a graph): in this
-process's anonymous regions of at least MIN_REGION, each 2 MB range whose 4 KB pages are at least
-FULL present (/proc/self/pagemap; so no reserved-but-unused arena or thread stack is filled in,
-even where the kernel merged it with its neighbours into one region) is marked MADV_HUGEPAGE and
-collapsed with MADV_COLLAPSE (Linux 6.1+; it works whatever the `enabled` setting, short of
-`never`). The whole process, not only the regions the session added: its weights may land in
-memory the process had freed (in a bench run right after an export, those regions held 0.11 of
-the sessions' ~0.7 GB). The first call pays ~2.5 s per GB of filled memory, later ones only for
-what was filled since: a range already in 2 MB pages costs the kernel next to nothing.
+`collapse_filled_memory()` runs after each decoding CPU session is made (runtime/sessions.py; not
+for the sessions that only check a graph): in this process's anonymous regions of at least
+MIN_REGION, each 2 MB range whose 4 KB pages are at least FULL present (/proc/self/pagemap; so no
+reserved-but-unused arena or thread stack is filled in, even where the kernel merged it with its
+neighbours into one region) is marked MADV_HUGEPAGE and collapsed with MADV_COLLAPSE (Linux 6.1+; it
+works whatever the `enabled` setting, short of `never`). The whole process, not only the regions the
+session added: its weights may land in memory the process had freed (in a bench run right after an
+export, those regions held 0.11 of the sessions' ~0.7 GB). The first call pays ~2.5 s per GB of
+filled memory, later ones only for what was filled since: a range already in 2 MB pages costs the
+kernel next to nothing.
 
 On the 2-core AVX-512 EPYC (2026-11-29, SmolLM2's fused fp32 graph, one process, two sessions'
 calls taking turns, `python scripts/huge_pages_ab.py`): a one-token call 2-5% faster, a
