@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import sys
 from pathlib import Path
 
@@ -44,11 +43,10 @@ def main(argv=None) -> int:
         return 2
     sessions = {"2 MB pages": make_session(args.graph, args.threads)}
     print(f"2 MB pages: {huge_pages.summary()}; AnonHugePages {anon_huge_kb() >> 10} MB")
-    os.environ[huge_pages.SWITCH] = "0"
     if ctypes.CDLL(None).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
         print("error: PR_SET_THP_DISABLE refused", file=sys.stderr)
         return 2
-    sessions["4 KB pages"] = make_session(args.graph, args.threads)
+    sessions["4 KB pages"] = make_session(args.graph, args.threads, huge_pages=False)
     print(f"4 KB pages: AnonHugePages still {anon_huge_kb() >> 10} MB")
     for tokens in (int(t) for t in args.tokens.split(",")):
         calls = {name: (s, None, target_feeds(s, tokens, args.context)) for name, s in sessions.items()}

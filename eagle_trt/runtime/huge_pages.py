@@ -44,11 +44,19 @@ SWITCH = "EAGLE_TRT_HUGE_PAGES"
 
 @dataclass
 class Collapsed:
-    """What collapse_filled_memory did in this process so far."""
-    bytes: int = 0
+    """What collapse_filled_memory did in this process so far: the 2 MB ranges (their starts) it
+    collapsed and those the kernel would not collapse (each call sees every range again)."""
+    done: set[int] = field(default_factory=set)
+    refused: set[int] = field(default_factory=set)
     seconds: float = 0.0
-    refused: int = 0          # bytes the kernel would not collapse
-    chunks: set[int] = field(default_factory=set)    # 2 MB ranges counted (each call sees them again)
+
+    @property
+    def bytes(self) -> int:
+        return len(self.done) * HUGE_PAGE
+
+    @property
+    def refused_bytes(self) -> int:
+        return len(self.refused) * HUGE_PAGE
 
 
 COLLAPSED = Collapsed()
@@ -100,13 +108,12 @@ def _collapse(regions: set[tuple[int, int]]) -> None:
                 continue
             for a, b in _full_ranges(lo, hi, pagemap):
                 libc.madvise(a, b - a, MADV_HUGEPAGE)        # later faults there get huge pages too
-                chunks = set(range(a, b, HUGE_PAGE))
-                new = len(chunks - COLLAPSED.chunks) * HUGE_PAGE   # (an already huge range costs the kernel nothing)
+                chunks = set(range(a, b, HUGE_PAGE))         # (an already huge one costs the kernel nothing)
                 if libc.madvise(a, b - a, MADV_COLLAPSE) == 0:
-                    COLLAPSED.bytes += new
-                    COLLAPSED.chunks |= chunks
+                    COLLAPSED.done |= chunks
+                    COLLAPSED.refused -= chunks
                 else:
-                    COLLAPSED.refused += new
+                    COLLAPSED.refused |= chunks - COLLAPSED.done
     finally:
         os.close(pagemap)
     COLLAPSED.seconds += time.perf_counter() - start
@@ -128,4 +135,4 @@ def summary() -> str:
     if not enabled():
         return f"weights in 4 KB pages ({SWITCH}=0, not Linux, or transparent huge pages 'never')"
     line = f"{COLLAPSED.bytes / 2**30:.2f} GB of filled memory (the sessions' weights among it) collapsed into 2 MB pages in {COLLAPSED.seconds:.1f} s"
-    return line + (f" ({COLLAPSED.refused / 2**30:.2f} GB refused by the kernel)" if COLLAPSED.refused else "")
+    return line + (f" ({COLLAPSED.refused_bytes / 2**30:.2f} GB refused by the kernel)" if COLLAPSED.refused else "")
